@@ -1,0 +1,46 @@
+"""The data section of the run config: sources, tokenizer, packing and loading knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SourceConfig:
+    path: str = ""  # hub dataset name, local file/glob/dir, "builtin:python-docs", or a `prepare`d dir
+    kind: str = "auto"  # auto | hub | text | json | parquet | prepared | builtin
+    name: str = ""  # hub dataset config name ("" = default)
+    split: str = "train"  # dataset split
+    text_field: str = "text"  # column holding the document text (json/parquet/hub)
+    sample_by: str = "paragraph"  # plain-text files: one document per line | paragraph | document
+    weight: float = 1.0  # mixture weight: share of training sequences (tokens) drawn from this source
+
+
+@dataclass
+class DataConfig:
+    sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig(path="builtin:python-docs")])
+    validation: list[SourceConfig] = field(default_factory=list)  # held-out sources (empty = none)
+    tokenizer: str = "builtin:python-docs-bpe"  # tokenizer.json path, hub name, or builtin:NAME
+    eot_token: str = ""  # end-of-text token appended to every document ("" = find it in the vocab)
+    seq_len: int = 256  # tokens per training sequence (windows of seq_len + 1 give inputs and labels)
+    num_streams: int = 8  # independent data streams; the world size must divide it; fixed for a run
+    num_workers: int = 1  # DataLoader worker processes per rank that tokenize (0 = in the main process)
+    shuffle_blocks: int = 64  # windows per shuffle block within a stream (1 = no window shuffle)
+    shuffle_shards: bool = True  # permute the shard order of every epoch (seeded)
+    seed: int = 1234  # data order seed (independent of the model init seed)
+    force_resume: bool = False  # resume even if the sources or tokenizer fingerprint changed
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.sources:
+            out.append("data.sources is empty: name at least one source (path: ...)")
+        for i, src in enumerate(self.sources + self.validation):
+            if not src.path:
+                out.append(f"data source #{i} has no path: set path to a hub name or local file")
+            if src.weight <= 0:
+                out.append(f"data source {src.path!r} has weight {src.weight}: weights must be > 0")
+        if self.seq_len <= 0:
+            out.append(f"data.seq_len={self.seq_len} must be positive")
+        if self.num_streams <= 0 or self.shuffle_blocks <= 0 or self.num_workers < 0:
+            out.append("data.num_streams and data.shuffle_blocks must be >= 1, data.num_workers >= 0")
+        return out

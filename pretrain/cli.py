@@ -1,0 +1,118 @@
+"""The `pretrain` command. Subcommands import their heavy dependencies only when they run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pretrain.errors import USER_ERRORS, ConfigError
+
+
+def _config_show(args) -> None:
+    from pretrain.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    print(cfg.to_yaml(), end="")
+
+
+def _train(args) -> None:
+    from pretrain.trainer import run
+
+    run(args.config, args.overrides)
+
+
+def _train_tokenizer(args) -> None:
+    from data_pipeline.config import SourceConfig
+    from data_pipeline.tokenizer import train_tokenizer
+
+    sources = [SourceConfig(path=p, kind=args.kind, text_field=args.text_field) for p in args.sources]
+    tok = train_tokenizer(sources, args.vocab_size, args.out, special_tokens=args.special_tokens)
+    print(f"wrote {args.out} (vocab {tok.get_vocab_size()})")
+
+
+def _prepare(args) -> None:
+    from data_pipeline.prepare import prepare
+    from pretrain.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    prepare(cfg.data, args.out, num_proc=args.num_proc)
+
+
+def _export(args) -> None:
+    from pretrain.export import export
+
+    export(args.checkpoint, args.out_dir)
+
+
+def _generate(args) -> None:
+    from pretrain.generate import generate_cli
+
+    generate_cli(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pretrain", description="Pretrain GPT-style language models.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def with_config(sp):
+        sp.add_argument("config", help="YAML run config (e.g. configs/tiny.yaml)")
+        sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=50")
+        return sp
+
+    cfg = sub.add_parser("config", help="inspect run configs").add_subparsers(dest="sub", required=True)
+    with_config(cfg.add_parser("show", help="print the fully resolved config")).set_defaults(fn=_config_show)
+
+    with_config(sub.add_parser("train", help="train (or resume, or fine-tune) a model")).set_defaults(fn=_train)
+
+    data = sub.add_parser("data", help="tokenizers and pre-tokenized shards").add_subparsers(
+        dest="sub", required=True)
+    tt = data.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer.json")
+    tt.add_argument("sources", nargs="+", help="local files/globs, hub dataset names or builtin:NAME")
+    tt.add_argument("--out", required=True, help="output tokenizer.json path")
+    tt.add_argument("--vocab-size", type=int, default=32000, help="vocabulary size including specials")
+    tt.add_argument("--kind", default="auto", help="source kind: auto|hub|text|json|parquet|builtin")
+    tt.add_argument("--text-field", default="text", help="text column for json/parquet/hub sources")
+    tt.add_argument("--special-tokens", nargs="*", default=["<|endoftext|>"],
+                    help="special tokens; the first is the end-of-text token")
+    tt.set_defaults(fn=_train_tokenizer)
+    pr = with_config(data.add_parser("prepare", help="tokenize data.sources into binary token shards"))
+    pr.add_argument("--out", required=True, help="output directory for shards and meta.json")
+    pr.add_argument("--num-proc", type=int, default=0, help="tokenizer processes (0 = all cores)")
+    pr.set_defaults(fn=_prepare)
+
+    ex = sub.add_parser("export", help="export a checkpoint to Hugging Face Llama format")
+    ex.add_argument("checkpoint", help="checkpoint directory (a step folder or a run's checkpoints dir)")
+    ex.add_argument("out_dir", help="output directory (safetensors, config.json, tokenizer files)")
+    ex.set_defaults(fn=_export)
+
+    gen = sub.add_parser("generate", help="sample text from a checkpoint or an export")
+    gen.add_argument("model", help="checkpoint directory or export directory")
+    gen.add_argument("--prompt", default="", help="text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=100, help="tokens to sample")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    gen.set_defaults(fn=_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except ConfigError as e:
+        for problem in e.problems:
+            print(f"pretrain: error: {problem}", file=sys.stderr)
+        return e.exit_code
+    except USER_ERRORS as e:
+        print(f"pretrain: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("pretrain: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""The run config: typed sections under one root.
+
+Precedence, lowest to highest: dataclass defaults < model preset < YAML file (and the files it
+`extends:`) < dotted command-line overrides (`train.max_steps=50 model.n_layers=2`).
+Unknown keys, wrong types and impossible combinations are collected and reported together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from data_pipeline.config import DataConfig
+from pretrain.errors import ConfigError
+from pretrain.model.args import PRESETS, ModelArgs
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 3e-4  # peak learning rate (after warmup)
+    weight_decay: float = 0.1  # decoupled (AdamW) decay of matrices; never on norms or biases
+    decay_embeddings: bool = False  # also decay the token embedding (off: GPT-NeoX/OLMo default)
+    beta1: float = 0.9  # Adam first-moment decay
+    beta2: float = 0.95  # Adam second-moment decay
+    eps: float = 1e-8  # Adam epsilon
+    grad_clip: float = 1.0  # max global gradient L2 norm (0 = no clipping)
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = 100  # optimizer steps of linear warmup from 0 to optimizer.lr
+    decay_steps: int = 0  # steps of cosine decay after warmup (0 = until train.max_steps)
+    min_lr: float = 3e-5  # floor of the cosine decay, held after decay_steps
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000  # optimizer steps in the whole run
+    micro_batch_size: int = 8  # sequences per device per forward/backward
+    global_batch_size: int = 0  # sequences per optimizer step across all devices (0 = micro * world)
+    global_batch_tokens: int = 0  # or the same in tokens; must be a multiple of data.seq_len (0 = unused)
+    seed: int = 42  # model init and dropout-free RNG seed
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32
+    activation_checkpointing: int = 0  # 0 = off, 1 = every block, n = every n-th block
+    eval_every: int = 0  # steps between validation passes (0 = only at the end; needs data.validation)
+    eval_batches: int = 8  # global batches in one validation pass (fixed, the same every run)
+    on_nonfinite: str = "stop"  # non-finite loss: stop (exit with an error) | skip (drop the update)
+    run_dir: str = "runs/default"  # where metrics, configs and checkpoints of this run go
+    compile: bool = False  # torch.compile the model
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints (0 = only at the end and on SIGTERM/SIGUSR1)
+    keep_last: int = 2  # complete checkpoints kept (older ones are deleted)
+    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this (0 = none)
+    resume: str = "none"  # none | auto (latest complete checkpoint in run_dir, if any) | PATH
+    init_from: str = ""  # checkpoint to take model weights from, for fine-tuning ("" = none)
+    init_load_optimizer: bool = False  # with init_from: also load optimizer state
+    init_keep_step: bool = False  # with init_from: continue its step count and LR schedule
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 10  # steps between metric lines
+    wandb: str = "auto"  # auto (online with an API key, else offline) | online | offline | disabled
+    project: str = "pretrain"  # W&B project
+    entity: str = ""  # W&B entity ("" = your default)
+    name: str = ""  # W&B run name ("" = the run_dir name)
+    progress: bool = True  # progress bar on rank 0
+
+
+@dataclass
+class DistributedConfig:
+    zero_stage: int = 3  # DeepSpeed ZeRO stage: 0, 1, 2 or 3
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+    param_persistence_threshold: int = 100000  # ZeRO-3: params with fewer elements stay unpartitioned
+    reduce_bucket_size: int = 500000000  # elements per gradient reduce bucket
+    overlap_comm: bool = True  # overlap gradient reduction with backward
+    offload_optimizer: bool = False  # ZeRO optimizer state on CPU memory
+    peak_flops: float = 0.0  # per-device peak FLOP/s for MFU (0 = from the device type)
+
+
+@dataclass
+class Config:
+    model: ModelArgs = field(default_factory=ModelArgs)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def problems(self, world_size: int | None = None) -> list[str]:
+        """Cross-field checks; with `world_size`, also the batch arithmetic of that run."""
+        out = self.model.problems() + self.data.problems()
+        t, s = self.train, self.schedule
+        if t.max_steps <= 0:
+            out.append(f"train.max_steps={t.max_steps} must be positive")
+        if t.micro_batch_size <= 0:
+            out.append(f"train.micro_batch_size={t.micro_batch_size} must be positive")
+        if t.global_batch_size and t.global_batch_tokens:
+            out.append("set only one of train.global_batch_size and train.global_batch_tokens")
+        if self.data.seq_len > 0 and t.global_batch_tokens % self.data.seq_len:
+            out.append(f"train.global_batch_tokens={t.global_batch_tokens} is not a multiple of "
+                       f"data.seq_len={self.data.seq_len}")
+        if self.data.seq_len > self.model.max_seq_len:
+            out.append(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
+                       f"{self.model.max_seq_len}: raise model.max_seq_len or lower data.seq_len")
+        _choice(out, "train.precision", t.precision, ("auto", "bf16", "fp16", "fp32"))
+        _choice(out, "train.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
+        _choice(out, "logging.wandb", self.logging.wandb, ("auto", "online", "offline", "disabled"))
+        _choice(out, "distributed.backend", self.distributed.backend, ("auto", "nccl", "gloo"))
+        _choice(out, "distributed.zero_stage", self.distributed.zero_stage, (0, 1, 2, 3))
+        if t.activation_checkpointing < 0:
+            out.append("train.activation_checkpointing must be 0 (off), 1 (every block) or n (every n-th)")
+        if s.warmup_steps < 0 or s.decay_steps < 0:
+            out.append("schedule.warmup_steps and schedule.decay_steps must be >= 0")
+        if s.min_lr > self.optimizer.lr:
+            out.append(f"schedule.min_lr={s.min_lr} is above optimizer.lr={self.optimizer.lr}")
+        if self.checkpoint.keep_last < 1:
+            out.append("checkpoint.keep_last must be >= 1 (a run always keeps its latest checkpoint)")
+        if t.eval_every and not self.data.validation:
+            out.append("train.eval_every is set but data.validation is empty: add a validation source")
+        if world_size is not None and not out:
+            try:
+                self.grad_accum(world_size)
+            except ConfigError as e:
+                out.append(str(e))
+            if self.data.num_streams % world_size:
+                out.append(f"data.num_streams={self.data.num_streams} is not divisible by the world size "
+                           f"{world_size}: set data.num_streams to a multiple of it (it is fixed for a run)")
+        return out
+
+    def global_batch(self, world_size: int) -> int:
+        """Sequences per optimizer step across all ranks."""
+        t = self.train
+        if t.global_batch_tokens:
+            return t.global_batch_tokens // self.data.seq_len
+        return t.global_batch_size or t.micro_batch_size * world_size
+
+    def grad_accum(self, world_size: int) -> int:
+        """Micro-batches per rank per optimizer step; raises ConfigError if the batch does not divide."""
+        gb, mb = self.global_batch(world_size), self.train.micro_batch_size
+        if gb % (mb * world_size):
+            raise ConfigError(
+                f"global batch of {gb} sequences is not divisible by micro_batch_size {mb} x world size "
+                f"{world_size}: pick a global batch that is a multiple of {mb * world_size}")
+        return gb // (mb * world_size)
+
+
+def _choice(out: list[str], name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        out.append(f"{name}={value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (),
+                world_size: int | None = None) -> Config:
+    """Build the Config from defaults, a YAML file and dotted overrides; raise ConfigError listing
+    every problem found."""
+    raw = _read_yaml(Path(path), set()) if path else {}
+    errors: list[str] = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            errors.append(f"override {item!r} is not of the form section.key=value")
+            continue
+        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else "")
+    model = raw.get("model")
+    if isinstance(model, dict) and model.get("preset"):
+        preset = model["preset"]
+        if preset not in PRESETS:
+            errors.append(f"model.preset={preset!r} is unknown{_closest(preset, PRESETS)}; "
+                          f"presets: {', '.join(PRESETS)}")
+        else:
+            raw["model"] = {**PRESETS[preset], **model}
+    cfg = _build(Config, raw, "", errors)
+    if not errors:
+        errors = cfg.problems(world_size)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def _read_yaml(path: Path, seen: set) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    if path.resolve() in seen:
+        raise ConfigError(f"config {path} extends itself (cycle through extends:)")
+    seen.add(path.resolve())
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    parent = data.pop("extends", None)
+    if parent:
+        base = _read_yaml((path.parent / parent), seen)
+        data = _deep_merge(base, data)
+    return data
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _set_dotted(raw: dict, key: str, value) -> None:
+    *parents, last = key.split(".")
+    node = raw
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key}: {p} is not a section")
+    node[last] = value
+
+
+def _closest(name: str, valid) -> str:
+    match = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _build(cls, raw, where: str, errors: list[str]):
+    """Instantiate dataclass `cls` from a dict, checking keys and types; problems go to `errors`."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        errors.append(f"{where or 'config'} must be a mapping, got {type(raw).__name__}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        full = f"{where}{key}"
+        if key not in names:
+            errors.append(f"unknown key {full!r}{_closest(key, names)}; valid keys here: {', '.join(names)}")
+            continue
+        kwargs[key] = _convert(hints[key], value, full, errors)
+    return cls(**kwargs)
+
+
+def _convert(tp, value, where: str, errors: list[str]):
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where + ".", errors)
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple):
+        (item_tp, *_) = typing.get_args(tp)
+        if not isinstance(value, list):
+            value = [value] if dataclasses.is_dataclass(item_tp) and isinstance(value, dict) else value
+        if not isinstance(value, list):
+            errors.append(f"{where} must be a list, got {value!r}")
+            return []
+        return [_convert(item_tp, v, f"{where}[{i}]", errors) for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        return value
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if tp is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        errors.append(f"{where} must be {tp.__name__}, got {value!r} ({type(value).__name__})")
+        return tp()
+    return value
