@@ -1,0 +1,6 @@
+"""The model: its description (`args`), its code (`model`), sampling (`generate`), HF conversion (`hf`)."""
+
+from pretrain.model.args import PRESETS, ModelArgs
+from pretrain.model.model import KVCache, Transformer, flops_per_token, num_params
+
+__all__ = ["PRESETS", "KVCache", "ModelArgs", "Transformer", "flops_per_token", "num_params"]

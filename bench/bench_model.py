@@ -1,0 +1,83 @@
+"""Forward+backward throughput of our Transformer against transformers' LlamaForCausalLM.
+
+Both models get the same shape and the same (converted) weights; each iteration is
+logits -> cross-entropy -> backward, timed alternately in one process so that machine noise
+hits both alike. Prints tokens/s for each and the ratio (ours / HF; above 1 means ours is faster).
+
+    python bench/bench_model.py --dim 256 --n-layers 4 --seq-len 256 --batch 8 --vocab 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pretrain.model.args import ModelArgs
+from pretrain.model.hf import to_hf_config, to_hf_state_dict
+from pretrain.model.model import Transformer
+
+
+def step(model, tokens: torch.Tensor, hf: bool) -> None:
+    logits = model(tokens).logits if hf else model(tokens)  # (B, T, V)
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--n-heads", type=int, default=4)
+    p.add_argument("--n-kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations per model")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations per model")
+    p.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"], help="HF attention implementation")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+
+    args = ModelArgs(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
+                     vocab_size=a.vocab, max_seq_len=a.seq_len)
+    ours = Transformer(args)
+    torch.manual_seed(0)
+    ours.init_weights()
+    from transformers import LlamaForCausalLM
+
+    cfg = to_hf_config(args)
+    cfg._attn_implementation = a.hf_attn
+    hf = LlamaForCausalLM(cfg).float()
+    hf.load_state_dict(to_hf_state_dict(ours.state_dict(), args), strict=True)
+    ours.train(), hf.train()
+    tokens = torch.randint(0, a.vocab, (a.batch, a.seq_len))
+
+    for _ in range(a.warmup):
+        step(ours, tokens, hf=False)
+        step(hf, tokens, hf=True)
+    times = {"ours": [], "hf": []}
+    for _ in range(a.iters):
+        for name, model in (("ours", ours), ("hf", hf)):
+            t0 = time.perf_counter()
+            step(model, tokens, hf=name == "hf")
+            times[name].append(time.perf_counter() - t0)
+
+    n_tok = a.batch * a.seq_len
+    rate = {k: n_tok / statistics.median(v) for k, v in times.items()}
+    print(f"shape: {vars(a)}  torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{platform.processor() or platform.machine()}")
+    print(f"ours : {rate['ours']:9.0f} tokens/s (median of {a.iters})")
+    print(f"HF   : {rate['hf']:9.0f} tokens/s (LlamaForCausalLM, attn={a.hf_attn})")
+    print(f"ratio ours/HF: {rate['ours'] / rate['hf']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

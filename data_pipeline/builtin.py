@@ -1,0 +1,93 @@
+"""Built-in data that exists on every machine without network: Python's own documentation text.
+
+`builtin:python-docs` is the English text of `pydoc_data.topics` (the topics behind `help("assert")`,
+~465 KB), split into documents of a few paragraphs, written once as jsonl files into a cache dir and
+then read through the same `datasets` json path as any user file. `builtin:python-docs-bpe` is a
+4096-token byte-level BPE tokenizer trained on it, shipped in `data_pipeline/assets/`
+(rebuild with `python -m data_pipeline.builtin`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from data_pipeline.errors import DataError
+
+DATASETS = ("python-docs",)
+TOKENIZERS = {"python-docs-bpe": Path(__file__).parent / "assets" / "python-docs-bpe.json"}
+DOC_CHARS = 2000  # paragraphs are grouped into documents of about this many characters
+N_FILES = 4  # shards, so that shard shuffling has something to permute
+
+
+def cache_dir() -> Path:
+    """$PRETRAIN_CACHE/builtin, default ~/.cache/pretrain/builtin."""
+    root = os.environ.get("PRETRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pretrain")
+    return Path(root) / "builtin"
+
+
+def python_docs() -> list[str]:
+    """The documents of builtin:python-docs: each topic cut at paragraph breaks into ~DOC_CHARS chunks."""
+    from pydoc_data.topics import topics
+
+    docs = []
+    for name in sorted(topics):
+        chunk = ""
+        for para in topics[name].split("\n\n"):
+            if chunk and len(chunk) + len(para) > DOC_CHARS:
+                docs.append(chunk)
+                chunk = ""
+            chunk = f"{chunk}\n\n{para}" if chunk else para
+        if chunk.strip():
+            docs.append(chunk)
+    return docs
+
+
+def dataset_files(name: str) -> list[str]:
+    """Write builtin dataset `name` as jsonl shards (once, atomically) and return their paths."""
+    if name not in DATASETS:
+        raise DataError(f"unknown builtin dataset 'builtin:{name}': use one of "
+                        + ", ".join(f"builtin:{d}" for d in DATASETS))
+    docs = python_docs()
+    lines = [json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs]
+    # The directory is named by content, so a Python upgrade that changes the docs gets a new one.
+    digest = hashlib.sha256("".join(lines).encode()).hexdigest()[:12]
+    out = cache_dir() / f"{name}-{digest}"
+    paths = [out / f"part-{k:05d}.jsonl" for k in range(N_FILES)]
+    if all(p.exists() for p in paths):
+        return [str(p) for p in paths]
+    out.mkdir(parents=True, exist_ok=True)
+    per = -(-len(lines) // N_FILES)
+    for k, path in enumerate(paths):
+        # Several ranks may write at once: write a private temp file, then rename over.
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text("".join(lines[k * per:(k + 1) * per]), encoding="utf-8")
+        os.replace(tmp, path)
+    return [str(p) for p in paths]
+
+
+def tokenizer_file(name: str) -> Path:
+    if name not in TOKENIZERS:
+        raise DataError(f"unknown builtin tokenizer 'builtin:{name}': use one of "
+                        + ", ".join(f"builtin:{t}" for t in TOKENIZERS))
+    path = TOKENIZERS[name]
+    if not path.exists():
+        raise DataError(f"builtin tokenizer file {path} is missing: rebuild it with "
+                        "`python -m data_pipeline.builtin`")
+    return path
+
+
+def build_tokenizer_asset() -> None:
+    """Train builtin:python-docs-bpe (vocab 4096) on builtin:python-docs and write it into assets/."""
+    from data_pipeline.config import SourceConfig
+    from data_pipeline.tokenizer import train_tokenizer
+
+    path = TOKENIZERS["python-docs-bpe"]
+    tok = train_tokenizer([SourceConfig(path="builtin:python-docs")], 4096, path)
+    print(f"wrote {path} (vocab {tok.get_vocab_size()})")
+
+
+if __name__ == "__main__":
+    build_tokenizer_asset()

@@ -1,0 +1,136 @@
+"""Metric loggers (one rank logs) and the throughput/MFU/memory figures they record.
+
+Loggers are pluggable: `MetricLogger` is the no-op base, `JsonlLogger` always writes
+run_dir/metrics.jsonl, `WandbLogger` imports wandb only when used. Scaling-law fields: every
+training record carries tokens seen (D) and cumulative FLOPs (C); the run config carries total and
+non-embedding parameter counts (N), so runs of different sizes compare directly against tokens or
+compute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+# Dense peak FLOP/s per device for the training precision (no sparsity).
+PEAK_FLOPS = {
+    ("H100", "bf16"): 989e12, ("H200", "bf16"): 989e12, ("A100", "bf16"): 312e12,
+    ("H100", "fp32"): 67e12, ("A100", "fp32"): 19.5e12, ("L40S", "bf16"): 362e12,
+    ("A10", "bf16"): 125e12, ("V100", "fp16"): 125e12, ("B200", "bf16"): 2250e12,
+}
+
+
+def peak_flops(device: torch.device, precision: str, configured: float) -> float:
+    """Peak FLOP/s of one device: the configured value, else looked up by GPU name (0 = unknown,
+    e.g. on CPU, where MFU is not reported)."""
+    if configured:
+        return configured
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    for (model, prec), flops in PEAK_FLOPS.items():
+        if model in name and prec == precision:
+            return flops
+    return 0.0
+
+
+def memory_stats(device: torch.device) -> dict:
+    """Peak GPU memory allocated since the last call (GiB), or the process RSS on CPU (GiB)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+        return {"memory/gpu_peak_allocated_gib": round(peak, 3)}
+    import psutil
+
+    return {"memory/rss_gib": round(psutil.Process().memory_info().rss / 2**30, 3)}
+
+
+class MetricLogger:
+    """The no-op base. `log` takes flat dicts of floats keyed like 'train/loss'."""
+
+    run_id: str | None = None
+
+    def log_config(self, config: dict) -> None:
+        pass
+
+    def log(self, metrics: dict, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlLogger(MetricLogger):
+    """Appends one JSON object per record to run_dir/metrics.jsonl (kept across resumes)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.file = open(self.path, "a", buffering=1)
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class WandbLogger(MetricLogger):
+    """W&B: offline without an API key (sync later with `wandb sync`), resumes a run by id."""
+
+    def __init__(self, run_dir: Path, mode: str, project: str, entity: str, name: str,
+                 config: dict, run_id: str | None):
+        import wandb
+
+        if mode == "auto":
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        self.wandb = wandb
+        self.run = wandb.init(project=project, entity=entity or None, name=name or Path(run_dir).name,
+                              dir=str(run_dir), mode=mode, id=run_id, resume="allow" if run_id else None,
+                              config=config, settings=wandb.Settings(silent=True, console="off"))
+        self.run_id = self.run.id
+        # Scaling-law axes: every train/ and eval/ metric can be plotted against tokens and FLOPs.
+        for axis in ("tokens_seen", "flops"):
+            self.run.define_metric(axis)
+        self.run.define_metric("train/*", step_metric="tokens_seen")
+        self.run.define_metric("eval/*", step_metric="tokens_seen")
+        self.run.define_metric("compute/*", step_metric="flops")
+
+    def log(self, metrics: dict, step: int) -> None:
+        record = dict(metrics)
+        if "train/loss" in record:
+            record["compute/loss"] = record["train/loss"]
+        if "eval/loss" in record:
+            record["compute/eval_loss"] = record["eval/loss"]
+        self.run.log(record, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Loggers(MetricLogger):
+    """Fans out to several loggers; closes all even if one fails."""
+
+    def __init__(self, loggers: list[MetricLogger]):
+        self.loggers = loggers
+        self.run_id = next((lg.run_id for lg in loggers if lg.run_id), None)
+
+    def log_config(self, config: dict) -> None:
+        for lg in self.loggers:
+            lg.log_config(config)
+
+    def log(self, metrics: dict, step: int) -> None:
+        for lg in self.loggers:
+            lg.log(metrics, step)
+
+    def close(self) -> None:
+        errors = []
+        for lg in self.loggers:
+            try:
+                lg.close()
+            except Exception as e:  # keep closing the others
+                errors.append(e)
+        if errors:
+            raise errors[0]

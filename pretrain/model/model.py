@@ -1,0 +1,255 @@
+"""A Llama-style decoder-only transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases.
+
+Build first, initialise second: `Transformer(args)` only allocates (with PyTorch's default init),
+`init_weights()` sets the real values. That split lets ZeRO-3 build the model already partitioned
+and initialise it one gathered group at a time, and lets the trainer skip init when it loads weights.
+
+RoPE uses the rotate-half convention of Hugging Face Llama (each head's first half of dimensions
+pairs with its second half), so HF conversion copies weights as they are; see docs/model.md.
+
+Shape letters: B batch, T new tokens, S keys seen (past + new), H query heads, KV key/value heads,
+hd head_dim, D dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, ContextManager, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pretrain.model.args import ModelArgs
+
+Gather = Callable[[list[nn.Parameter]], ContextManager]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 for bf16 accuracy; scale after casting back, as HF Llama does.
+        return F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).type_as(x) * self.weight
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def precompute_freqs_cis(head_dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
+    """RoPE table for positions 0..end-1: (end, head_dim // 2, 2) fp32, last axis (cos, sin)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(end, dtype=torch.float32), freqs)  # (end, hd/2)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, T, heads, hd) by the table rows for its T positions (T, hd/2, 2), in fp32.
+
+    Dimension i is paired with i + hd/2 (rotate-half, HF Llama's layout). Returns x's dtype.
+    """
+    cos = freqs_cis[:, None, :, 0].float()  # (T, 1, hd/2), broadcasts over B and heads
+    sin = freqs_cis[:, None, :, 1].float()
+    x1, x2 = x.float().chunk(2, dim=-1)  # (B, T, heads, hd/2) each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+class KVCache:
+    """Pre-allocated keys and values for incremental decoding.
+
+    `k[i]`, `v[i]`: layer i's cache, (B, max_len, KV, hd); KV-heads wide, so GQA shrinks it.
+    The model writes positions start_pos..start_pos+T-1 on each call; the caller tracks start_pos.
+    """
+
+    def __init__(self, args: ModelArgs, batch_size: int, max_len: int = 0,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
+        max_len = max_len or args.max_seq_len
+        shape = (batch_size, max_len, args.kv_heads, args.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].size(1)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, cache_k: torch.Tensor | None = None,
+                cache_v: torch.Tensor | None = None, start_pos: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, hd)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KV, hd)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KV, hd)
+        q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
+
+        if cache_k is not None:
+            cache_k[:, start_pos:start_pos + T] = k
+            cache_v[:, start_pos:start_pos + T] = v
+            k, v = cache_k[:, :start_pos + T], cache_v[:, :start_pos + T]  # (B, S, KV, hd)
+
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T or S, hd)
+        S = k.size(2)
+        # SDPA's is_causal aligns the mask top-left, right only without past keys; one new token
+        # sees every key; a chunk after a past needs the mask shifted by start_pos.
+        mask = None
+        if S != T and T > 1:
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+        # enable_gqa lets the kernel share each KV head across its query group without copying K/V.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=(S == T and T > 1),
+                                             enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, hd)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for w in (self.wq, self.wk, self.wv):
+            nn.init.normal_(w.weight, mean=0.0, std=std)
+        nn.init.normal_(self.wo.weight, mean=0.0, std=out_std)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.w1.weight, mean=0.0, std=std)
+        nn.init.normal_(self.w3.weight, mean=0.0, std=std)
+        nn.init.normal_(self.w2.weight, mean=0.0, std=out_std)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, cache_k: torch.Tensor | None = None,
+                cache_v: torch.Tensor | None = None, start_pos: int = 0) -> torch.Tensor:
+        """x (B, T, D), freqs_cis (T, hd/2, 2) -> (B, T, D). Tensors, None and ints only, so that
+        activation checkpointing can wrap the block."""
+        h = x + self.attention(self.attention_norm(x), freqs_cis, cache_k, cache_v, start_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        self.attention_norm.init_weights()
+        self.attention.init_weights(std, out_std)
+        self.ffn_norm.init_weights()
+        self.feed_forward.init_weights(std, out_std)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        problems = args.problems()
+        if not args.vocab_size:
+            problems.append("model.vocab_size=0: set it, or let the trainer fill it from the tokenizer")
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Non-persistent: derived from args, so checkpoints hold weights only. Kept fp32; DeepSpeed's
+        # bf16 casts parameters only. Avoid model.to(bf16), which would round it.
+        self.register_buffer("freqs_cis", precompute_freqs_cis(args.head_dim, args.max_seq_len,
+                                                               args.rope_theta), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, V) in the parameters' dtype.
+
+        With `cache`, the tokens sit at positions start_pos..start_pos+T-1 and attend to the cached
+        past; without, they start at 0 (training).
+        """
+        B, T = tokens.shape
+        end = start_pos + T
+        if end > self.args.max_seq_len:
+            raise ValueError(f"positions up to {end} exceed model.max_seq_len={self.args.max_seq_len}")
+        h = self.tok_embeddings(tokens)  # (B, T, D)
+        freqs_cis = self.freqs_cis[start_pos:end]  # (T, hd/2, 2)
+        for i, layer in enumerate(self.layers):
+            if cache is None:
+                h = layer(h, freqs_cis)
+            else:
+                h = layer(h, freqs_cis, cache.k[i], cache.v[i], start_pos)
+        return self.output(self.norm(h))  # (B, T, V)
+
+    @torch.no_grad()
+    def init_weights(self, gather: Gather | None = None) -> None:
+        """Initialise every parameter from the global torch RNG, in a fixed order.
+
+        Seed right before calling: the same seed on the same device gives the same weights.
+        Embeddings, input projections and the untied LM head ~ N(0, init_std); output projections
+        (wo, w2) ~ N(0, init_std / sqrt(2 * n_layers)); norms = 1. `gather(params)` is entered
+        around each group it touches (embedding, each block, final norm + head), so ZeRO-3 can pass
+        `lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0)` for a partitioned model.
+        """
+        gather = gather or (lambda params: contextlib.nullcontext())
+        std = self.args.init_std
+        out_std = std / math.sqrt(2 * self.args.n_layers)
+        # A model built on the meta device has no real table until now.
+        self.freqs_cis = precompute_freqs_cis(self.args.head_dim, self.args.max_seq_len,
+                                              self.args.rope_theta).to(self.freqs_cis.device)
+        with gather([self.tok_embeddings.weight]):
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+        # Found via modules(), so blocks wrapped for activation checkpointing or compile are reached too.
+        for block in [m for m in self.modules() if isinstance(m, TransformerBlock)]:
+            with gather(list(block.parameters())):
+                block.init_weights(std, out_std)
+        tail = [self.norm.weight] + ([] if self.args.tie_embeddings else [self.output.weight])
+        with gather(tail):
+            self.norm.init_weights()
+            if not self.args.tie_embeddings:
+                nn.init.normal_(self.output.weight, mean=0.0, std=std)
+
+
+def num_params(args: ModelArgs | Transformer, non_embedding: bool = False) -> int:
+    """Parameter count from the shape alone (works on partitioned models whose tensors are empty).
+
+    non_embedding=True gives Kaplan/Chinchilla's N: everything but the token embedding. An untied
+    LM head counts in N; a tied one is the embedding and does not.
+    """
+    a = args.args if isinstance(args, Transformer) else args
+    if not a.vocab_size:
+        raise ValueError("model.vocab_size=0: parameter counts need the vocabulary size")
+    attn = a.dim * a.head_dim * (2 * a.n_heads + 2 * a.kv_heads)  # wq, wo + wk, wv
+    ffn = 3 * a.dim * a.hidden_dim  # w1, w2, w3
+    blocks = a.n_layers * (attn + ffn + 2 * a.dim)  # + two RMSNorm weights
+    head = 0 if a.tie_embeddings else a.vocab_size * a.dim
+    n = blocks + a.dim + head  # + final norm
+    return n if non_embedding else n + a.vocab_size * a.dim
+
+
+def flops_per_token(args: ModelArgs | Transformer, seq_len: int) -> int:
+    """Training FLOPs (forward + backward) per token at sequence length seq_len: 6*N + 12*L*H*Q*T.
+
+    PaLM (Chowdhery et al. 2022, appendix B) convention. N = every parameter except the
+    embedding lookup, with the LM head matmul included even when tied (it is computed either way);
+    norm weights are in N too (negligible). 12*L*H*Q*T counts the attention scores and their
+    weighted sum over the full T x T matrix, not just its causal half.
+    """
+    a = args.args if isinstance(args, Transformer) else args
+    n = num_params(a, non_embedding=True) + (a.vocab_size * a.dim if a.tie_embeddings else 0)
+    return 6 * n + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len

@@ -1,0 +1,94 @@
+"""Everything that makes the plain model distributed lives here: the DeepSpeed config generated from
+ours, building the model already partitioned (ZeRO-3), activation checkpointing, the engine."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from pretrain.config import Config
+from pretrain.model.args import ModelArgs
+from pretrain.model.model import Transformer
+from pretrain.optim import build_optimizer
+from pretrain.schedule import build_scheduler
+
+
+def resolve_precision(cfg: Config, device: torch.device) -> str:
+    if cfg.train.precision != "auto":
+        return cfg.train.precision
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+
+
+def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict:
+    """The DeepSpeed JSON for this run, from our config: no "auto" values, nothing left to defaults
+    that matter (DeepSpeed's gradient_clipping default is 1.0, so it is always written)."""
+    d = cfg.distributed
+    zero: dict = {"stage": d.zero_stage, "overlap_comm": d.overlap_comm, "contiguous_gradients": True,
+                  "reduce_bucket_size": d.reduce_bucket_size}
+    if d.zero_stage == 3:
+        zero.update(stage3_param_persistence_threshold=d.param_persistence_threshold,
+                    stage3_prefetch_bucket_size=d.reduce_bucket_size,
+                    stage3_gather_16bit_weights_on_model_save=False)
+    if d.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_batch_size": cfg.global_batch(world_size),
+        "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum(world_size),
+        "gradient_clipping": cfg.optimizer.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16", "initial_scale_power": 16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**12,  # we log ourselves
+        "wall_clock_breakdown": False,
+    }
+
+
+def apply_activation_checkpointing(model: Transformer, every: int) -> None:
+    """Recompute every `every`-th block's activations in backward instead of storing them (1 = all
+    blocks, 0 = none). The block's forward is replaced in place rather than wrapped in a new module,
+    so parameter names, and with them checkpoints and exports, do not depend on this setting."""
+    if every <= 0:
+        return
+    for i, block in enumerate(model.layers):
+        if i % every == 0:
+            block.forward = functools.partial(_checkpointed_forward, block, block.forward)
+
+
+def _checkpointed_forward(block: torch.nn.Module, forward, *args, **kwargs):
+    if not block.training:
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def build_model(args: ModelArgs, cfg: Config, ds_config: dict, seed: int) -> Transformer:
+    """Build and initialise the model. Under ZeRO-3 every parameter is partitioned as soon as its
+    module is built (deepspeed.zero.Init), so a model larger than one device can start; weights are
+    then initialised one group at a time, gathered, in the same order as without ZeRO, so the
+    initial weights are the same for any world size."""
+    import deepspeed
+
+    torch.manual_seed(seed)
+    if cfg.distributed.zero_stage == 3:
+        with deepspeed.zero.Init(config_dict_or_path=ds_config):
+            model = Transformer(args)
+        model.init_weights(gather=lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0))
+    else:
+        model = Transformer(args)
+        model.init_weights()
+    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    return model
+
+
+def build_engine(model: Transformer, cfg: Config, ds_config: dict, device: torch.device):
+    """deepspeed.initialize with our AdamW and warmup-cosine schedule."""
+    import deepspeed
+
+    optimizer = build_optimizer(model, cfg.optimizer, device)
+    scheduler = build_scheduler(optimizer, cfg)
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    return engine, optimizer, scheduler

@@ -1,0 +1,270 @@
+"""The training run: `pretrain train CONFIG [overrides]`, under any launcher.
+
+`run()` sets up (process group, config, data, model, engine, loggers, checkpoints), hands over to a
+small `Trainer` whose methods are one step, one evaluation, one save, and always closes the loggers
+and the process group, also on error.
+
+Exit codes: 0 done; 2 user error (config, data, checkpoint); 3 non-finite loss with
+train.on_nonfinite=stop; 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (resume with
+checkpoint.resume=auto).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pretrain import distributed
+from pretrain.checkpoint import CheckpointManager
+from pretrain.config import Config, load_config
+from pretrain.errors import UserError
+from pretrain.metrics import MetricLogger, memory_stats, peak_flops
+
+EXIT_NONFINITE = 3
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again" - the job is resumable from its checkpoint
+
+
+class NonFiniteLoss(UserError):
+    exit_code = EXIT_NONFINITE
+
+
+class Preempted(Exception):
+    """Raised after the checkpoint for a SIGTERM/SIGUSR1 has been saved."""
+
+
+class StopSignal:
+    """Remembers SIGTERM/SIGUSR1; the trainer checks it between steps (all ranks agree)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signum
+
+
+class Trainer:
+    def __init__(self, cfg: Config, env: distributed.Dist, engine, loader, val_batches, ckpt: CheckpointManager,
+                 logger: MetricLogger, flops_per_token: float, precision: str):
+        self.cfg, self.env, self.engine, self.loader = cfg, env, engine, loader
+        self.val_batches, self.ckpt, self.logger = val_batches, ckpt, logger
+        self.flops_per_token = flops_per_token
+        self.accum = cfg.grad_accum(env.world_size)
+        self.tokens_per_step = cfg.global_batch(env.world_size) * cfg.data.seq_len
+        self.peak = peak_flops(env.device, precision, cfg.distributed.peak_flops)
+        self.step = 0  # optimizer steps done
+        self.skipped = 0  # micro-batches dropped for a non-finite loss (on_nonfinite=skip)
+        self.data_iter = None  # made in fit(), after a resume has positioned the loader
+        self.stop = StopSignal()
+        self.timers = dict.fromkeys(("data", "compute"), 0.0)
+
+    # -- state that survives a restart (the data position is saved by the checkpoint manager)
+    def state_dict(self) -> dict:
+        return {"step": self.step, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.skipped = state["step"], state.get("skipped", 0)
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.step * self.tokens_per_step
+
+    def _next_batch(self):
+        t0 = time.perf_counter()
+        batch = next(self.data_iter)
+        self.timers["data"] += time.perf_counter() - t0
+        return (batch["input_ids"].to(self.env.device, non_blocking=True),
+                batch["labels"].to(self.env.device, non_blocking=True))
+
+    def train_step(self) -> float:
+        """One optimizer step over `accum` micro-batches; returns the global mean loss."""
+        total = torch.zeros((), device=self.env.device)
+        used = 0
+        for _ in range(self.accum):
+            inputs, labels = self._next_batch()
+            t0 = time.perf_counter()
+            logits = self.engine(inputs)  # (B, T, V)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+            # One all-reduce gives both the global loss and an agreement on finiteness: every rank
+            # must take the same branch, since ZeRO's backward is collective.
+            global_loss = loss.detach().clone()
+            dist.all_reduce(global_loss)
+            global_loss /= self.env.world_size
+            if not torch.isfinite(global_loss):
+                if self.cfg.train.on_nonfinite == "stop":
+                    raise NonFiniteLoss(
+                        f"loss is {global_loss.item()} at step {self.step + 1}: stopped before the update, "
+                        f"so the weights and the last checkpoint are intact; lower optimizer.lr or set "
+                        f"train.on_nonfinite=skip, then resume with checkpoint.resume=auto")
+                # Every rank skips this backward (they agree: the loss was all-reduced), so the
+                # micro-batch adds no gradient; step() still counts it toward the accumulation.
+                self.skipped += 1
+                del loss, logits
+            else:
+                total += global_loss
+                used += 1
+                self.engine.backward(loss)
+            self.engine.step()
+            self.timers["compute"] += time.perf_counter() - t0
+        self.step += 1
+        return (total / max(used, 1)).item() if used else float("nan")
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Mean loss and perplexity over the fixed validation batches (the same in every run)."""
+        self.engine.eval()
+        sums = torch.zeros(2, device=self.env.device, dtype=torch.float64)
+        for batch in self.val_batches:
+            inputs, labels = batch["input_ids"].to(self.env.device), batch["labels"].to(self.env.device)
+            logits = self.engine(inputs)
+            sums[0] += F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+            sums[1] += labels.numel()
+        dist.all_reduce(sums)
+        self.engine.train()
+        loss = (sums[0] / sums[1]).item()
+        return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+
+    def save(self) -> None:
+        self.ckpt.save(self.step, self.engine, self.loader, self.state_dict(), self.logger.run_id)
+
+    def _stop_requested(self) -> int:
+        """The signal any rank received (0 = none): all ranks must stop at the same step."""
+        flag = torch.tensor([self.stop.received or 0], device=self.env.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def fit(self) -> dict:
+        cfg, env = self.cfg, self.env
+        t = cfg.train
+        self.data_iter = iter(self.loader)
+        progress = _progress(env.is_main and cfg.logging.progress, self.step, t.max_steps)
+        first_loss = last_loss = None
+        window_start, window_steps = time.perf_counter(), 0
+        losses = []
+        while self.step < t.max_steps:
+            loss = self.train_step()
+            losses.append(loss)
+            window_steps += 1
+            first_loss = loss if first_loss is None else first_loss
+            last_loss = loss
+            if env.is_main:
+                progress.update(1)
+                progress.set_postfix(loss=f"{loss:.3f}")
+            if self.step % cfg.logging.log_every == 0 or self.step == t.max_steps:
+                elapsed = time.perf_counter() - window_start
+                self._log_train(losses, window_steps, elapsed, progress)
+                losses, window_start, window_steps = [], time.perf_counter(), 0
+            if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
+                self.logger.log({**self.evaluate(), **self._axes()}, self.step)
+            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < t.max_steps:
+                self.save()
+            signum = self._stop_requested()
+            if signum:
+                self.save()
+                raise Preempted(f"received {signal.Signals(signum).name}: saved step {self.step}")
+        progress.close()
+        summary = {"final_step": self.step, "first_loss": first_loss, "final_loss": last_loss}
+        if self.val_batches:
+            summary.update(self.evaluate())
+            self.logger.log({**{k: summary[k] for k in ("eval/loss", "eval/perplexity")}, **self._axes()},
+                            self.step)
+        self.save()
+        return summary
+
+    def _axes(self) -> dict:
+        return {"tokens_seen": self.tokens_seen, "flops": self.tokens_seen * self.flops_per_token}
+
+    def _log_train(self, losses, steps, elapsed, progress) -> None:
+        tokens_per_s = steps * self.tokens_per_step / elapsed
+        per_device = tokens_per_s / self.env.world_size
+        record = {
+            "train/loss": sum(losses) / len(losses),
+            "train/lr": self.engine.get_lr()[0],
+            "train/grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
+            "train/skipped_microbatches": self.skipped,
+            "perf/step_time_s": elapsed / steps,
+            "perf/tokens_per_s": tokens_per_s,
+            "perf/tokens_per_s_per_device": per_device,
+            "perf/data_wait_share": self.timers["data"] / elapsed,
+            "perf/outside_compute_share": max(0.0, 1 - self.timers["compute"] / elapsed),
+            **memory_stats(self.env.device), **self._axes(),
+        }
+        if self.peak:
+            record["perf/mfu"] = per_device * self.flops_per_token / self.peak
+        self.timers = dict.fromkeys(self.timers, 0.0)
+        if self.env.is_main:
+            self.logger.log(record, self.step)
+            mfu = f" mfu {record['perf/mfu']:.1%}" if "perf/mfu" in record else ""
+            progress.write(f"step {self.step:>6} | loss {record['train/loss']:.4f} | lr {record['train/lr']:.2e} "
+                           f"| grad {record['train/grad_norm']:.3f} | {tokens_per_s:,.0f} tok/s{mfu}")
+
+
+class _NoProgress:
+    def update(self, n): pass
+    def set_postfix(self, **kw): pass
+    def close(self): pass
+    def write(self, s): pass
+
+
+def _progress(enabled: bool, initial: int, total: int):
+    if not enabled:
+        return _NoProgress()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                file=sys.stdout, mininterval=1.0)
+
+
+def _requeue_if_slurm(env: distributed.Dist) -> None:
+    """Under slurm/pretrain.sbatch (PRETRAIN_REQUEUE=1), put the job back in the queue; the rerun
+    resumes from the checkpoint just saved."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if env.is_main and job and os.environ.get("PRETRAIN_REQUEUE") == "1":
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        print(f"pretrain: scontrol requeue {job}: {'ok' if result.returncode == 0 else result.stderr.strip()}",
+              flush=True)
+
+
+def run(config_path: str, overrides: list[str]) -> None:
+    """Entry point of `pretrain train`: raises UserError subclasses for user mistakes; exits with
+    EXIT_PREEMPTED after a signal-triggered save."""
+    from pretrain.build import build_run
+
+    env = distributed.init(_backend_override(overrides))
+    logger: MetricLogger = MetricLogger()
+    try:
+        cfg = load_config(config_path, overrides, world_size=env.world_size)
+        trainer, logger = build_run(cfg, env)
+        summary = trainer.fit()
+        if env.is_main:
+            print(f"done: {summary['final_step']} steps, loss {summary['first_loss']:.3f} -> "
+                  f"{summary['final_loss']:.3f}"
+                  + (f", eval loss {summary['eval/loss']:.3f}" if "eval/loss" in summary else "")
+                  + f", run dir {cfg.train.run_dir}", flush=True)
+    except Preempted as e:
+        if env.is_main:
+            print(f"pretrain: {e}; exiting with {EXIT_PREEMPTED} (resume with checkpoint.resume=auto)",
+                  flush=True)
+        _requeue_if_slurm(env)
+        logger.close()
+        distributed.shutdown()
+        sys.exit(EXIT_PREEMPTED)
+    finally:
+        logger.close()
+        distributed.shutdown()
+
+
+def _backend_override(overrides: list[str]) -> str:
+    for item in overrides:
+        if item.startswith("distributed.backend="):
+            return item.split("=", 1)[1]
+    return "auto"

@@ -1,0 +1,66 @@
+# Settings shared by the Slurm launch scripts (pretrain.sbatch, and the scaling-law sweep).
+# Source it from a batch script, inside the allocation. It reads the job's SLURM_* variables and sets
+#   PYTHON PRETRAIN_MODULE NNODES GPUS_PER_NODE NPROC_PER_NODE HEAD_NODE RDZV_PORT RDZV_ID
+# and exports the library settings below. Anything already in the environment wins, and sbatch
+# exports the submitting shell's environment, so `GPUS_PER_NODE=4 sbatch ...` overrides a value.
+# Outside Slurm (a local dry run) it falls back to one node: this machine.
+
+# --- Program -----------------------------------------------------------------------------------
+PYTHON=${PYTHON:-python}                     # interpreter with `pretrain` installed (e.g. a venv's)
+PRETRAIN_MODULE=${PRETRAIN_MODULE:-pretrain} # test hook only: tests/slurm swap in a fake trainer
+
+# --- Process layout ----------------------------------------------------------------------------
+NNODES=${SLURM_NNODES:-1}
+# GPUs per node: what Slurm allocated (--gpus-per-node), else what the node has, else 0 (CPU).
+if [[ -z ${GPUS_PER_NODE:-} ]]; then
+    if [[ -n ${SLURM_GPUS_ON_NODE:-} ]]; then
+        GPUS_PER_NODE=$SLURM_GPUS_ON_NODE
+    elif command -v nvidia-smi >/dev/null 2>&1; then
+        GPUS_PER_NODE=$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU' || true)
+    else
+        GPUS_PER_NODE=0
+    fi
+fi
+# One training process per GPU; a CPU-only node runs one process (gloo).
+NPROC_PER_NODE=$(( GPUS_PER_NODE > 0 ? GPUS_PER_NODE : 1 ))
+
+# --- Rendezvous --------------------------------------------------------------------------------
+# The first node of the allocation hosts torchrun's c10d store. (sed, not head -n1: head exits early
+# and, with a long node list under `set -o pipefail`, scontrol's SIGPIPE would abort the script.)
+if [[ -n ${SLURM_JOB_NODELIST:-} ]]; then
+    HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
+else
+    HEAD_NODE=$(hostname)
+fi
+RDZV_ID=${SLURM_JOB_ID:-local}
+# A port per job: two jobs sharing a node must never join each other's store (a fixed 29500 does).
+# 15000-29999 stays below Linux's ephemeral range (32768+), where a busy node's own connections live.
+RDZV_PORT=${RDZV_PORT:-$(( 15000 + ${SLURM_JOB_ID:-0} % 15000 ))}
+
+# --- Slurm -------------------------------------------------------------------------------------
+# srun does not inherit sbatch's --cpus-per-task since Slurm 22.05; without this a step gets one
+# CPU per task, and with CPU binding all of a node's trainers and data workers share one core.
+if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
+    export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+fi
+# After a signal-triggered checkpoint (--signal=USR1@120, or SIGTERM), rank 0 runs
+# `scontrol requeue $SLURM_JOB_ID`: the job goes back to the queue and resumes. 0 = just stop.
+export PRETRAIN_REQUEUE=${PRETRAIN_REQUEUE:-1}
+
+# --- Libraries ---------------------------------------------------------------------------------
+# Log lines reach the job's output file as they are printed, not when a buffer fills.
+export PYTHONUNBUFFERED=1
+# A crash prints every thread's Python stack (and `kill -ABRT` on a hung rank shows where it hangs).
+export PYTHONFAULTHANDLER=1
+# Intra-op threads per training process: the task's CPUs shared among the node's processes.
+# (torchrun would set 1 otherwise, which starves CPU runs and the data pipeline's tokenizers.)
+cpus_per_proc=$(( ${SLURM_CPUS_PER_TASK:-1} / NPROC_PER_NODE ))
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cpus_per_proc > 0 ? cpus_per_proc : 1 ))}
+# NCCL prints warnings only; set INFO (and NCCL_DEBUG_SUBSYS=INIT,NET) to see which network
+# it chose: the first thing to look at when a multi-node job hangs at start or is slow.
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+# Site-specific, usually set by the cluster's modules; uncomment and adapt if NCCL picks the wrong
+# network (e.g. an Ethernet management interface instead of InfiniBand):
+# export NCCL_SOCKET_IFNAME=ib0       # interface for NCCL's bootstrap and socket transport
+# export NCCL_IB_HCA=mlx5             # InfiniBand adapters to use
+# export GLOO_SOCKET_IFNAME=ib0       # same for gloo (CPU runs, and torch's CPU-side collectives)

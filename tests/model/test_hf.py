@@ -1,0 +1,107 @@
+"""Parity and lossless conversion against transformers' LlamaForCausalLM (built from config, no download)."""
+
+import pytest
+import torch
+
+from pretrain.model.args import ModelArgs
+from pretrain.model.hf import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
+from pretrain.model.model import Transformer, num_params
+
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = {
+    "gqa": dict(n_heads=4, n_kv_heads=2),
+    "mha": dict(n_heads=4, n_kv_heads=0),
+    "tied": dict(n_heads=4, n_kv_heads=1, tie_embeddings=True),
+}
+
+
+def tiny(**kw) -> ModelArgs:
+    base = dict(dim=64, n_layers=2, vocab_size=256, multiple_of=32, max_seq_len=64, rope_theta=5e5, norm_eps=1e-6)
+    return ModelArgs(**{**base, **kw})
+
+
+def hf_model(args, attn="eager"):
+    cfg = to_hf_config(args)
+    cfg._attn_implementation = attn
+    return transformers.LlamaForCausalLM(cfg).float().eval()
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_logits_match_hf(config, attn):
+    args = tiny(**CONFIGS[config])
+    ours = Transformer(args)
+    torch.manual_seed(0)
+    ours.init_weights()
+    hf = hf_model(args, attn)
+    hf.load_state_dict(to_hf_state_dict(ours.state_dict(), args), strict=True)
+    if args.tie_embeddings:
+        assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    tokens = torch.randint(0, 256, (2, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_hf_to_ours_to_hf_is_lossless(config):
+    args = tiny(**CONFIGS[config])
+    torch.manual_seed(1)
+    hf_sd = hf_model(args).state_dict()
+    ours = Transformer(args)
+    ours.load_state_dict(from_hf_state_dict(hf_sd, args), strict=True)
+    back = to_hf_state_dict(ours.state_dict(), args)
+    assert back.keys() == hf_sd.keys()
+    for name, t in hf_sd.items():
+        assert torch.equal(back[name], t), name
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_ours_to_hf_to_ours_is_lossless(config):
+    args = tiny(**CONFIGS[config])
+    ours = Transformer(args)
+    torch.manual_seed(2)
+    ours.init_weights()
+    hf = hf_model(args)
+    hf.load_state_dict(to_hf_state_dict(ours.state_dict(), args), strict=True)
+    back = from_hf_state_dict(hf.state_dict(), args)
+    sd = ours.state_dict()
+    assert back.keys() == sd.keys()
+    for name, t in sd.items():
+        assert torch.equal(back[name], t), name
+
+
+def test_tied_checkpoint_without_lm_head_loads():
+    args = tiny(**CONFIGS["tied"])
+    hf_sd = dict(hf_model(args).state_dict())
+    del hf_sd["lm_head.weight"]  # save_pretrained drops tied copies
+    ours = Transformer(args)
+    ours.load_state_dict(from_hf_state_dict(hf_sd, args), strict=True)
+    assert ours.output.weight is ours.tok_embeddings.weight
+
+
+def test_config_round_trip():
+    args = tiny(n_heads=8, n_kv_heads=2, tie_embeddings=True)
+    cfg = to_hf_config(args)
+    assert (cfg.intermediate_size, cfg.num_key_value_heads, cfg.attention_bias, cfg.mlp_bias) == (
+        args.hidden_dim, 2, False, False)
+    back = from_hf_config(cfg)
+    for field in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "hidden_dim", "norm_eps",
+                  "rope_theta", "max_seq_len", "tie_embeddings", "init_std"):
+        assert getattr(back, field) == getattr(args, field), field
+    assert num_params(back) == num_params(args) == sum(p.numel() for p in hf_model(args).parameters())
+
+
+def test_unsupported_hf_config_is_refused():
+    cfg = to_hf_config(tiny())
+    cfg.attention_bias = True
+    with pytest.raises(ValueError, match="bias"):
+        from_hf_config(cfg)
+
+
+def test_unknown_keys_are_refused():
+    args = tiny()
+    sd = Transformer(args).state_dict()
+    sd["layers.0.attention.wq.bias"] = torch.zeros(64)
+    with pytest.raises(ValueError, match="wq.bias"):
+        to_hf_state_dict(sd, args)

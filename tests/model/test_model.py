@@ -1,0 +1,140 @@
+"""Forward pass, causality, KV-cache decoding, activation-checkpoint wrapping, counts."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pretrain.model.args import ModelArgs
+from pretrain.model.model import KVCache, Transformer, apply_rotary_emb, flops_per_token, num_params
+
+
+def tiny(**kw) -> ModelArgs:
+    base = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=64)
+    return ModelArgs(**{**base, **kw})
+
+
+def build(args: ModelArgs, seed: int = 0) -> Transformer:
+    model = Transformer(args)
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
+
+
+def test_forward_shape():
+    model = build(tiny())
+    logits = model(torch.randint(0, 256, (3, 10)))
+    assert logits.shape == (3, 10, 256) and logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+
+
+def test_bad_args_fail_clearly():
+    with pytest.raises(ValueError, match="vocab_size=0"):
+        Transformer(tiny(vocab_size=0))
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        Transformer(tiny(n_kv_heads=3))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        build(tiny())(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_no_bias_and_rope_buffer_not_saved():
+    model = build(tiny())
+    assert all(not name.endswith("bias") for name, _ in model.named_parameters())
+    assert "freqs_cis" not in model.state_dict()
+    assert model.freqs_cis.dtype == torch.float32 and model.freqs_cis.shape == (64, 8, 2)
+
+
+@pytest.mark.parametrize("n_kv_heads", [0, 2, 1])
+def test_causal(n_kv_heads):
+    model = build(tiny(n_kv_heads=n_kv_heads))
+    tokens = torch.randint(0, 256, (2, 20))
+    ref = model(tokens)
+    for t in (0, 7, 19):
+        changed = tokens.clone()
+        changed[:, t] = (changed[:, t] + 1) % 256
+        out = model(changed)
+        torch.testing.assert_close(out[:, :t], ref[:, :t], rtol=0, atol=0)
+        assert not torch.allclose(out[:, t:], ref[:, t:])  # the change does reach t and later
+
+
+def test_kv_cache_decoding_matches_full_forward():
+    args = tiny(n_heads=4, n_kv_heads=2)
+    model = build(args)
+    tokens = torch.randint(0, 256, (2, 24))
+    full = model(tokens)
+
+    cache = KVCache(args, batch_size=2, max_len=24)
+    assert cache.k[0].shape == (2, 24, 2, 16)  # KV heads wide, not n_heads
+    steps = [model(tokens[:, t:t + 1], cache=cache, start_pos=t) for t in range(24)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
+
+    # Chunked prefill: chunks after the first (T > 1, start_pos > 0) need the shifted causal mask.
+    cache = KVCache(args, batch_size=2, max_len=24)
+    chunks, pos = [], 0
+    for size in (5, 7, 1, 11):
+        chunks.append(model(tokens[:, pos:pos + size], cache=cache, start_pos=pos))
+        pos += size
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, rtol=0, atol=1e-5)
+
+
+def test_apply_rotary_emb_keeps_dtype_and_computes_in_fp32():
+    from pretrain.model.model import precompute_freqs_cis
+    freqs = precompute_freqs_cis(16, 32)
+    x = torch.randn(2, 32, 4, 16)
+    ref = apply_rotary_emb(x, freqs)
+    out = apply_rotary_emb(x.bfloat16(), freqs)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, apply_rotary_emb(x.bfloat16().float(), freqs).bfloat16(), rtol=0, atol=0)
+    # A rotation keeps each pair's norm, so each head vector keeps its length.
+    torch.testing.assert_close(ref.norm(dim=-1), x.norm(dim=-1))
+
+
+class CheckpointWrapper(nn.Module):
+    """The trainer's activation-checkpoint wrapper, as written elsewhere."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+
+
+def test_activation_checkpoint_wrapper_gives_same_logits_and_grads():
+    args = tiny(n_layers=3)
+    plain, wrapped = build(args), build(args)
+    wrapped.layers = nn.ModuleList(CheckpointWrapper(layer) for layer in wrapped.layers)
+    tokens = torch.randint(0, 256, (2, 16))
+    outs = []
+    for model in (plain, wrapped):
+        logits = model(tokens)
+        nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
+        outs.append((logits, {n.replace(".inner", ""): p.grad for n, p in model.named_parameters()}))
+    (l1, g1), (l2, g2) = outs
+    torch.testing.assert_close(l2, l1, rtol=0, atol=0)
+    assert g1.keys() == g2.keys()
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(n_kv_heads=0), dict(tie_embeddings=True), dict(ffn_hidden_dim=100)])
+def test_num_params_from_args_equals_model(kw):
+    args = tiny(**kw)
+    model = Transformer(args)
+    total = sum(p.numel() for p in model.parameters())  # parameters() counts a tied matrix once
+    assert num_params(args) == num_params(model) == total
+    assert num_params(args, non_embedding=True) == total - model.tok_embeddings.weight.numel()
+
+
+def test_flops_per_token_by_hand():
+    args = tiny(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden_dim=96)
+    # head_dim 16; per block: wq 64*64 + wk 64*32 + wv 64*32 + wo 64*64 + 3*64*96 + 2 norms of 64
+    block = 4096 + 2048 + 2048 + 4096 + 18432 + 128
+    n = 2 * block + 64 + 256 * 64  # blocks, final norm, LM head (embedding excluded)
+    assert num_params(args, non_embedding=True) == n
+    assert flops_per_token(args, 32) == 6 * n + 12 * 2 * 4 * 16 * 32
+    # Tied: the head is the embedding (not in N) but its matmul still runs, so FLOPs are unchanged.
+    tied = tiny(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden_dim=96,
+                tie_embeddings=True)
+    assert num_params(tied, non_embedding=True) == n - 256 * 64
+    assert flops_per_token(tied, 32) == flops_per_token(args, 32)

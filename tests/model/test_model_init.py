@@ -1,0 +1,118 @@
+"""init_weights: deterministic, depth-scaled, and safe for a partition-built (ZeRO-3) model."""
+
+import contextlib
+
+import torch
+from torch import nn
+
+from pretrain.model.args import ModelArgs
+from pretrain.model.model import Transformer
+
+
+def tiny(**kw) -> ModelArgs:
+    base = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=64)
+    return ModelArgs(**{**base, **kw})
+
+
+def initialised(args, seed, gather=None) -> Transformer:
+    model = Transformer(args)
+    torch.manual_seed(seed)
+    model.init_weights(gather)
+    return model
+
+
+def test_same_seed_same_weights_bitwise():
+    args = tiny()
+    a, b, c = initialised(args, 1), initialised(args, 1), initialised(args, 2)
+    for (name, pa), pb, pc in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values()):
+        assert torch.equal(pa, pb), name
+        if "norm" not in name:
+            assert not torch.equal(pa, pc), name
+
+
+def test_init_ignores_construction_rng_and_default_init():
+    args = tiny()
+    a = initialised(args, 3)
+    torch.manual_seed(123)  # different RNG state during construction
+    b = Transformer(args)
+    torch.manual_seed(3)
+    b.init_weights()
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(pa, pb), name
+
+
+def test_stds_and_norms():
+    args = ModelArgs(dim=512, n_layers=8, n_heads=8, vocab_size=1024, init_std=0.02)
+    model = initialised(args, 0)
+    out_std = 0.02 / (2 * 8) ** 0.5
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            assert torch.equal(p, torch.ones_like(p)), name
+            continue
+        expected = out_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+        assert abs(p.std().item() - expected) < 0.03 * expected, (name, p.std().item(), expected)
+        assert abs(p.mean().item()) < 0.05 * expected, name
+
+
+def test_tied_init_draws_the_embedding_once():
+    model = initialised(tiny(tie_embeddings=True), 0)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert abs(model.output.weight.std().item() - 0.02) < 0.002
+
+
+def test_gather_covers_every_parameter():
+    model = Transformer(tiny(tie_embeddings=False))
+    gathered = []
+
+    def gather(params):
+        gathered.extend(params)
+        return contextlib.nullcontext()
+
+    model.init_weights(gather)
+    assert len(gathered) == len({id(p) for p in gathered})  # each group once
+    assert {id(p) for p in gathered} == {id(p) for p in model.parameters()}
+
+
+def test_partitioned_init_equals_plain_init():
+    """Imitate ZeRO-3: parameters are empty except inside gather(), which materialises them."""
+    args = tiny()
+    plain = initialised(args, 7)
+
+    model = Transformer(args)
+    shapes = {p: p.shape for p in model.parameters()}
+    saved = {}
+    for p in model.parameters():
+        p.data = torch.empty(0)
+
+    @contextlib.contextmanager
+    def gather(params):
+        for p in params:
+            p.data = saved.get(p, torch.empty(shapes[p]).fill_(float("nan")))
+        yield
+        for p in params:
+            saved[p] = p.data
+            p.data = torch.empty(0)
+
+    torch.manual_seed(7)
+    model.init_weights(gather)
+    assert all(p.numel() == 0 for p in model.parameters())
+    names = {p: n for n, p in model.named_parameters()}
+    assert set(saved) == set(names)
+    for p, name in names.items():
+        assert torch.equal(saved[p], plain.get_parameter(name)), name
+
+
+def test_init_reaches_blocks_inside_wrappers():
+    class Wrapper(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+    args = tiny()
+    plain = initialised(args, 5)
+    wrapped = Transformer(args)
+    wrapped.layers = nn.ModuleList(Wrapper(layer) for layer in wrapped.layers)
+    torch.manual_seed(5)
+    wrapped.init_weights()
+    for (name, p), q in zip(plain.state_dict().items(), wrapped.state_dict().values()):
+        assert torch.equal(p, q), name

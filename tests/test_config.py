@@ -1,0 +1,115 @@
+"""The config system: precedence, extends, presets, and every user mistake's message."""
+
+from pathlib import Path
+
+import pytest
+
+from pretrain.cli import main
+from pretrain.config import load_config
+from pretrain.errors import ConfigError
+from pretrain.model.args import PRESETS
+
+CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_validates(path):
+    cfg = load_config(path)
+    assert cfg.problems() == []
+    assert cfg.model.preset in PRESETS or cfg.model.preset == ""
+
+
+def test_precedence_defaults_file_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model: {preset: tiny, n_layers: 3}\ntrain: {max_steps: 7}\n")
+    cfg = load_config(f, ["train.max_steps=9", "optimizer.lr=0.01"])
+    assert cfg.model.dim == PRESETS["tiny"]["dim"]  # preset
+    assert cfg.model.n_layers == 3  # file beats preset
+    assert cfg.train.max_steps == 9  # override beats file
+    assert cfg.optimizer.lr == 0.01 and isinstance(cfg.optimizer.lr, float)
+    assert cfg.train.micro_batch_size == 8  # default
+
+
+def test_extends_merges_sections_deeply(tmp_path):
+    (tmp_path / "base.yaml").write_text("train: {max_steps: 100, seed: 3}\ndata: {seq_len: 64}\n")
+    (tmp_path / "ft.yaml").write_text("extends: base.yaml\ntrain: {max_steps: 10}\n")
+    cfg = load_config(tmp_path / "ft.yaml")
+    assert (cfg.train.max_steps, cfg.train.seed, cfg.data.seq_len) == (10, 3, 64)
+
+
+def test_extends_cycle(tmp_path):
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.yaml")
+
+
+def test_unknown_key_names_closest_match():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.n_layer=3"])
+    assert "unknown key 'model.n_layer'" in str(e.value) and "did you mean 'n_layers'" in str(e.value)
+
+
+def test_unknown_section():
+    with pytest.raises(ConfigError, match="did you mean 'optimizer'"):
+        load_config(None, ["optimiser.lr=1"])
+
+
+def test_wrong_type():
+    with pytest.raises(ConfigError, match="train.max_steps must be int, got 'many'"):
+        load_config(None, ["train.max_steps=many"])
+
+
+def test_several_problems_reported_together():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.dim=130", "model.n_heads=4", "model.n_kv_heads=3", "train.precision=fp8"])
+    problems = e.value.problems
+    assert any("not divisible by model.n_heads=4" in p for p in problems)
+    assert any("n_kv_heads=3" in p for p in problems)
+    assert any("train.precision='fp8'" in p for p in problems)
+
+
+def test_odd_head_dim_for_rope():
+    with pytest.raises(ConfigError, match="RoPE needs an even head_dim"):
+        load_config(None, ["model.dim=36", "model.n_heads=4", "model.n_kv_heads=4"])
+
+
+def test_batch_not_divisible_by_world_size():
+    with pytest.raises(ConfigError, match="not divisible by micro_batch_size 4 x world size 3"):
+        load_config(None, ["train.micro_batch_size=4", "train.global_batch_size=16"], world_size=3)
+    cfg = load_config(None, ["train.micro_batch_size=4", "train.global_batch_size=16"], world_size=2)
+    assert cfg.grad_accum(2) == 2
+
+
+def test_streams_must_divide_by_world_size():
+    with pytest.raises(ConfigError, match="data.num_streams=8 is not divisible by the world size 3"):
+        load_config(None, ["train.micro_batch_size=1", "train.global_batch_size=3"], world_size=3)
+
+
+def test_global_batch_in_tokens():
+    cfg = load_config(None, ["data.seq_len=128", "train.global_batch_tokens=4096", "train.micro_batch_size=8"])
+    assert cfg.global_batch(2) == 32 and cfg.grad_accum(2) == 2
+    with pytest.raises(ConfigError, match="not a multiple of data.seq_len=128"):
+        load_config(None, ["data.seq_len=128", "train.global_batch_tokens=1000"])
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="did you mean '125m'"):
+        load_config(None, ["model.preset=125M"])
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {max_steps: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_cli_prints_resolved_config_and_exits_nonzero_on_error(capsys):
+    assert main(["config", "show", str(CONFIGS[0]), "train.max_steps=11"]) == 0
+    assert "max_steps: 11" in capsys.readouterr().out
+    assert main(["config", "show", str(CONFIGS[0]), "train.max_step=11"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pretrain: error: unknown key 'train.max_step'") and "Traceback" not in err
