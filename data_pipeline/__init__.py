@@ -1,0 +1,23 @@
+"""Streaming data for pretraining: tokenizers, sources, packed sequences with exact resume at any world size.
+
+The loader names are imported lazily: `pretrain.config` imports `data_pipeline.config`, and that must
+not pull in torch.
+"""
+
+import importlib
+
+from data_pipeline.config import DataConfig, SourceConfig
+from data_pipeline.errors import DataError
+from data_pipeline.prepare import prepare  # binds the function over the submodule of the same name
+from data_pipeline.sources import resolve_source
+from data_pipeline.tokenizer import eot_id, load_tokenizer, padded_vocab_size, tokenizer_fingerprint, train_tokenizer
+
+_LAZY = ("TokenLoader", "build_loader", "build_validation_batches", "merge_states")
+__all__ = ["DataConfig", "SourceConfig", "DataError", "prepare", "resolve_source", "eot_id", "load_tokenizer",
+           "padded_vocab_size", "tokenizer_fingerprint", "train_tokenizer", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module("data_pipeline.loader"), name)
+    raise AttributeError(f"module 'data_pipeline' has no attribute {name!r}")

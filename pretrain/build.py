@@ -38,7 +38,8 @@ def build_run(cfg: Config, env: distributed.Dist):
     resolved = cfg.to_dict()
     resolved["model"]["vocab_size"] = model_args.vocab_size
     fingerprint = {"tokenizer": dp.tokenizer_fingerprint(tokenizer)}
-    ckpt = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint, env, resolved, model_args, fingerprint)
+    ckpt = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint, env, resolved, model_args, fingerprint,
+                             tokenizer.to_str())
 
     resume = ckpt.resume_path()
     meta = None

@@ -7,6 +7,7 @@ Layout of run_dir/checkpoints/:
         data_state.json          the data pipeline position of every stream (world-size independent)
         rng_states.pt            torch RNG state of every rank
         config.yaml              the resolved run config
+        tokenizer.json           the tokenizer, so a checkpoint exports and samples on its own
         manifest.json            size and sha256 of every file above, written last
     latest                       name of the newest complete checkpoint (DeepSpeed's tools read it)
     .universal/step_.../         DeepSpeed universal checkpoint, made when the world size changed
@@ -104,9 +105,10 @@ class CheckpointManager:
     trainer state); rank 0 writes the shared files, every rank writes its own shards."""
 
     def __init__(self, root: Path, cfg, env: distributed.Dist, run_config: dict, model_args,
-                 fingerprint: dict):
+                 fingerprint: dict, tokenizer_json: str):
         self.root, self.cfg, self.env = Path(root), cfg, env
         self.run_config, self.model_args, self.fingerprint = run_config, model_args, fingerprint
+        self.tokenizer_json = tokenizer_json
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, engine, loader, trainer_state: dict, wandb_id: str | None) -> Path:
@@ -127,6 +129,7 @@ class CheckpointManager:
             import yaml
 
             (partial / "config.yaml").write_text(yaml.safe_dump(self.run_config, sort_keys=False))
+            (partial / "tokenizer.json").write_text(self.tokenizer_json)
             meta = {"step": step, "world_size": env.world_size, "trainer": trainer_state,
                     "wandb_run_id": wandb_id, "model_shape": model_shape(self.model_args),
                     "fingerprint": self.fingerprint, "format": 1}

@@ -198,6 +198,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
     return cfg
 
 
+def config_from_dict(raw: dict) -> Config:
+    """A Config from a resolved dict (e.g. the config.yaml saved in a checkpoint)."""
+    errors: list[str] = []
+    cfg = _build(Config, raw, "", errors)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
 def _read_yaml(path: Path, seen: set) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -276,6 +285,11 @@ def _convert(tp, value, where: str, errors: list[str]):
         return value
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if tp is int and isinstance(value, float) and value.is_integer():

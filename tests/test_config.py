@@ -22,7 +22,7 @@ def test_every_shipped_config_loads_and_validates(path):
 def test_precedence_defaults_file_overrides(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("model: {preset: tiny, n_layers: 3}\ntrain: {max_steps: 7}\n")
-    cfg = load_config(f, ["train.max_steps=9", "optimizer.lr=0.01"])
+    cfg = load_config(f, ["train.max_steps=9", "optimizer.lr=1e-2"])
     assert cfg.model.dim == PRESETS["tiny"]["dim"]  # preset
     assert cfg.model.n_layers == 3  # file beats preset
     assert cfg.train.max_steps == 9  # override beats file

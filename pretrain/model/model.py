@@ -172,10 +172,18 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        # Non-persistent: derived from args, so checkpoints hold weights only. Kept fp32; DeepSpeed's
-        # bf16 casts parameters only. Avoid model.to(bf16), which would round it.
-        self.register_buffer("freqs_cis", precompute_freqs_cis(args.head_dim, args.max_seq_len,
-                                                               args.rope_theta), persistent=False)
+        # Non-persistent: derived from args, so checkpoints hold weights only.
+        self.register_buffer("freqs_cis", self._rope_table(), persistent=False)
+
+    def _rope_table(self, device: torch.device | str | None = None) -> torch.Tensor:
+        return precompute_freqs_cis(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta).to(device)
+
+    def _apply(self, fn, recurse=True):
+        # model.to(bf16) / .half() would round the RoPE table and cost bf16 training its accuracy
+        # at long positions; rebuild it in fp32 on whatever device the buffers went to.
+        super()._apply(fn, recurse)
+        self.freqs_cis = self._rope_table(self.freqs_cis.device)
+        return self
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, V) in the parameters' dtype.
@@ -209,9 +217,6 @@ class Transformer(nn.Module):
         gather = gather or (lambda params: contextlib.nullcontext())
         std = self.args.init_std
         out_std = std / math.sqrt(2 * self.args.n_layers)
-        # A model built on the meta device has no real table until now.
-        self.freqs_cis = precompute_freqs_cis(self.args.head_dim, self.args.max_seq_len,
-                                              self.args.rope_theta).to(self.freqs_cis.device)
         with gather([self.tok_embeddings.weight]):
             nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
         # Found via modules(), so blocks wrapped for activation checkpointing or compile are reached too.

@@ -138,3 +138,29 @@ def test_flops_per_token_by_hand():
                 tie_embeddings=True)
     assert num_params(tied, non_embedding=True) == n - 256 * 64
     assert flops_per_token(tied, 32) == flops_per_token(args, 32)
+
+
+def test_dtype_casts_keep_the_rope_table_fp32():
+    args = tiny()
+    model = build(args)
+    tokens = torch.randint(0, 256, (2, 32))
+    ref = model(tokens)
+    table = model.freqs_cis.clone()
+    model.to(torch.bfloat16)
+    assert model.freqs_cis.dtype == torch.float32 and torch.equal(model.freqs_cis, table)
+    out = model(tokens)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=0.1)
+
+
+def test_meta_device_build_then_init_equals_plain():
+    args = tiny()
+    plain = build(args, seed=4)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    torch.manual_seed(4)
+    model.init_weights()
+    assert torch.equal(model.freqs_cis, plain.freqs_cis)
+    tokens = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(model(tokens), plain(tokens), rtol=0, atol=0)

@@ -1,0 +1,293 @@
+"""Data sources: a SourceConfig resolved to numbered shards of documents.
+
+Text sources are read through HF `datasets` streaming: local txt/json/parquet files through its own
+builders (`load_dataset("json", data_files=..., streaming=True)`), hub datasets by name. Documents are
+read as Arrow tables, so the rows a stream skips (those of other streams) cost no Python objects.
+A `prepare`d directory (meta.json + binary token shards) is read through np.memmap instead.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from data_pipeline.config import SourceConfig
+from data_pipeline.errors import DataError
+
+KINDS = ("auto", "hub", "text", "json", "parquet", "prepared", "builtin")
+EXT_KINDS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
+             ".ndjson": "json", ".parquet": "parquet"}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+SAMPLE_BY = ("line", "paragraph", "document")
+META = "meta.json"
+READ_ROWS = 1024  # rows per Arrow table read from a shard
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _file_kind(path: str) -> str | None:
+    name = path.lower()
+    for c in COMPRESSIONS:
+        name = name.removesuffix(c)
+    return EXT_KINDS.get(os.path.splitext(name)[1])
+
+
+def _looks_like_hub(path: str) -> bool:
+    # "org/name" or "name", no known file extension: a typo'd local path should say "does not exist"
+    return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path)) and _file_kind(path) is None
+
+
+class TextSource:
+    """Documents from files or a hub dataset, read one shard at a time (a shard = a file for local data,
+    `IterableDataset.n_shards` for the hub)."""
+
+    def __init__(self, cfg: SourceConfig, kind: str, files: list[str], label: str | None = None):
+        self.label = label or cfg.path  # the path as the user wrote it, for messages
+        self.kind = kind  # hub | text | json | parquet
+        self.path = cfg.path
+        self.files = files  # local files (empty for the hub)
+        self.name, self.split, self.sample_by = cfg.name, cfg.split, cfg.sample_by
+        self.text_field = "text" if kind == "text" else cfg.text_field
+        if kind == "text" and cfg.sample_by not in SAMPLE_BY:
+            raise DataError(f"data source {self.label!r} has sample_by={cfg.sample_by!r}: use one of "
+                            + ", ".join(SAMPLE_BY))
+        self._ds = None
+        self.n_shards = self.open().n_shards
+        if self.n_shards < 1:
+            raise DataError(f"data source {self.label!r} has no shards: check the path or dataset name")
+        ident = {"kind": kind, "field": self.text_field}
+        if kind == "hub":
+            ident.update(path=cfg.path, name=cfg.name, split=cfg.split)
+        else:  # names and sizes, not absolute paths or mtimes: a copied data dir is the same data
+            ident["files"] = [[os.path.basename(f), os.path.getsize(f)] for f in files]
+        if kind == "text":
+            ident["sample_by"] = cfg.sample_by
+        self.fingerprint = _digest(ident)
+
+    def __getstate__(self):  # worker processes open their own dataset object
+        return {**self.__dict__, "_ds": None}
+
+    def open(self):
+        if self._ds is None:
+            import datasets
+
+            try:
+                if self.kind == "hub":
+                    self._ds = datasets.load_dataset(self.path, self.name or None, split=self.split,
+                                                     streaming=True)
+                else:
+                    kw = {"sample_by": self.sample_by, "encoding_errors": "replace"} if self.kind == "text" else {}
+                    self._ds = datasets.load_dataset(self.kind, data_files=self.files, split="train",
+                                                     streaming=True, **kw)
+            except DataError:
+                raise
+            except Exception as e:
+                where = "hub dataset" if self.kind == "hub" else "data source"
+                raise DataError(f"could not open {where} {self.label!r} ({_first_line(e)}): check the "
+                                "path or name (hub datasets need the network), its split and config") from None
+        return self._ds
+
+    def _where(self, shard: int) -> str:
+        if self.kind != "hub" and len(self.files) == self.n_shards:
+            return f"data source {self.label!r} (file {self.files[shard]})"
+        return f"data source {self.label!r} (shard {shard})"
+
+    def _column(self, table, shard: int):
+        import pyarrow as pa
+
+        if self.text_field not in table.column_names:
+            raise DataError(f"{self._where(shard)} has no field {self.text_field!r} (columns: "
+                            f"{', '.join(table.column_names)}): set text_field to the column holding the text")
+        col = table.column(self.text_field)
+        if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type) or pa.types.is_null(col.type)):
+            raise DataError(f"{self._where(shard)}: field {self.text_field!r} holds {col.type}, not text: "
+                            "set text_field to a text column")
+        return col
+
+    def docs(self, shard: int, start: int = 0, step: int = 1, phase: int = 0) -> Iterator[tuple[int, str]]:
+        """(row, text) for the rows >= start of `shard` with row % step == phase, in order.
+        Missing (null) texts come as ""."""
+        ds = self.open()
+        if self.n_shards > 1:
+            ds = ds.shard(num_shards=self.n_shards, index=shard)
+        row = 0
+        try:
+            for table in ds.with_format("arrow").iter(batch_size=READ_ROWS):
+                n = table.num_rows
+                first = max(start, row)
+                r = first + (phase - first) % step
+                if r < row + n:
+                    col = self._column(table, shard)
+                    idx = list(range(r - row, n, step))
+                    texts = col.to_pylist() if len(idx) == n else col.take(idx).to_pylist()
+                    for k, text in zip(idx, texts):
+                        yield row + k, text or ""
+                row += n
+        except DataError:
+            raise
+        except Exception as e:
+            raise DataError(_read_error(self._where(shard), e)) from None
+
+    def check(self) -> None:
+        """Fail early, in the main process, on a missing text field or a source with no documents."""
+        for shard in range(self.n_shards):
+            for _, text in self.docs(shard):
+                if text.strip():
+                    return
+            if self.kind == "hub":
+                break  # do not read a whole hub dataset looking for a row
+        raise DataError(f"data source {self.label!r} is empty (no documents): check the path and split")
+
+
+def _read_error(where: str, e: Exception) -> str:
+    try:
+        from datasets.table import CastError
+    except ImportError:  # pragma: no cover
+        CastError = ()
+    if isinstance(e, CastError):
+        return (f"{where} has columns {e.table_column_names} unlike the first file's "
+                f"{e.requested_column_names}: give every file the same columns")
+    if isinstance(e, UnicodeDecodeError):
+        return f"{where} is not valid UTF-8 ({e.reason} at byte {e.start}): re-encode it as UTF-8"
+    return f"{where} could not be read ({_first_line(e)}): fix or remove it"
+
+
+class PreparedSource:
+    """Token shards written by `prepare`, read through np.memmap. The windows are the concatenated
+    token array cut into chunks of seq_len+1 (the last partial chunk is dropped)."""
+
+    kind = "prepared"
+
+    def __init__(self, label: str, directory: Path):
+        self.label = label
+        self.dir = directory
+        try:
+            self.meta = json.loads((directory / META).read_text())
+            self.dtype = np.dtype(self.meta["dtype"])
+            self.files = [str(directory / s["file"]) for s in self.meta["shards"]]
+            counts = [int(s["tokens"]) for s in self.meta["shards"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"prepared source {label!r}: {directory / META} is unreadable ({_first_line(e)}): "
+                            "re-run `pretrain data prepare`") from None
+        for f, n in zip(self.files, counts):
+            if not os.path.exists(f) or os.path.getsize(f) != n * self.dtype.itemsize:
+                raise DataError(f"prepared source {label!r}: shard {f} is missing or has the wrong size: "
+                                "re-run `pretrain data prepare`")
+        self.starts = np.cumsum([0] + counts)  # token offset of each shard in the concatenated array
+        self.n_tokens = int(self.starts[-1])
+        self.fingerprint = _digest({k: self.meta.get(k) for k in ("tokenizer_fingerprint", "source", "tokens", "shards")})
+        self._maps = None
+        self._perm = (None, None)
+
+    def __getstate__(self):  # memmaps are reopened in each process
+        return {**self.__dict__, "_maps": None, "_perm": (None, None)}
+
+    def check(self) -> None:
+        if self.n_tokens == 0:
+            raise DataError(f"prepared source {self.label!r} has no tokens: prepare a non-empty source")
+
+    def window(self, w: int, length: int) -> np.ndarray:
+        """Window w: tokens [w*length, (w+1)*length) of the concatenated shards, as int32."""
+        if self._maps is None:
+            self._maps = [np.memmap(f, dtype=self.dtype, mode="r") for f in self.files]
+        a, b = w * length, (w + 1) * length
+        f = int(np.searchsorted(self.starts, a, side="right")) - 1
+        lo = a - self.starts[f]
+        if b <= self.starts[f + 1]:
+            return self._maps[f][lo:lo + length].astype(np.int32)
+        parts, need = [], length  # a window across shard files
+        while need:
+            piece = self._maps[f][lo:lo + need]
+            parts.append(piece)
+            need -= len(piece)
+            f, lo = f + 1, 0
+        return np.concatenate(parts).astype(np.int32)
+
+    def permutation(self, key: tuple, n: int) -> np.ndarray:
+        """Seeded permutation of n window indices; the latest one is cached (all streams of a worker
+        share an epoch's permutation)."""
+        if self._perm[0] != (key, n):
+            self._perm = ((key, n), np.random.default_rng(list(key)).permutation(n))
+        return self._perm[1]
+
+
+def resolve_source(cfg: SourceConfig) -> TextSource | PreparedSource:
+    """Turn a SourceConfig into a source: find its files and kind, open it, check it has documents
+    and the text field. Every user-fixable problem raises DataError naming the path."""
+    from data_pipeline import builtin
+
+    path, kind = cfg.path, cfg.kind
+    if kind not in KINDS:
+        raise DataError(f"data source {path!r} has kind={kind!r}: use one of " + ", ".join(KINDS))
+    if not path:
+        raise DataError("a data source has no path: set path to a local file, hub dataset or builtin:NAME")
+    if path.startswith("builtin:") or kind == "builtin":
+        files = builtin.dataset_files(path.removeprefix("builtin:"))
+        cfg = SourceConfig(**{**cfg.__dict__, "text_field": "text"})
+        src = TextSource(cfg, "json", files)
+        src.check()
+        return src
+    if kind == "hub":
+        src = TextSource(cfg, "hub", [])
+        src.check()
+        return src
+
+    local = os.path.expanduser(path)
+    if any(c in local for c in "*?["):
+        files = sorted(f for f in glob.glob(local, recursive=True) if os.path.isfile(f))
+        if not files:
+            raise DataError(f"data source {path!r} matches no files: fix the pattern")
+    elif os.path.isdir(local):
+        if kind in ("auto", "prepared") and os.path.exists(os.path.join(local, META)):
+            src = PreparedSource(path, Path(local))
+            src.check()
+            return src
+        if kind == "prepared":
+            raise DataError(f"data source {path!r} has no {META}: run `pretrain data prepare` into it first")
+        files = sorted(str(f) for f in Path(local).rglob("*")
+                       if f.is_file() and (_file_kind(str(f)) if kind == "auto" else _file_kind(str(f)) == kind))
+        if not files:
+            raise DataError(f"data source {path!r} is a directory with no .txt/.json/.jsonl/.parquet files: "
+                            "point it at the data files")
+    elif os.path.isfile(local):
+        files = [local]
+    elif kind == "auto" and _looks_like_hub(path):
+        src = TextSource(cfg, "hub", [])
+        src.check()
+        return src
+    else:
+        raise DataError(f"data source {path!r} does not exist: fix the path "
+                        "(or set kind: hub for a Hugging Face dataset)")
+    if kind == "prepared":
+        raise DataError(f"data source {path!r} is not a prepared directory: run `pretrain data prepare` first")
+    if kind == "auto":
+        kinds = {_file_kind(f) for f in files}
+        if None in kinds:
+            bad = next(f for f in files if _file_kind(f) is None)
+            raise DataError(f"data source {path!r}: cannot tell the format of {bad}: "
+                            "set kind to text, json or parquet")
+        if len(kinds) > 1:
+            raise DataError(f"data source {path!r} mixes {', '.join(sorted(kinds))} files: "
+                            "make one source per format")
+        kind = kinds.pop()
+    # An empty file has no documents (and makes datasets' schema inference fail): leave it out.
+    files = [f for f in files if os.path.getsize(f) > 0]
+    if not files:
+        raise DataError(f"data source {path!r} is empty (its files have no data): check the path")
+    src = TextSource(cfg, kind, files)
+    src.check()
+    return src

@@ -1,0 +1,99 @@
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from data_pipeline import builtin
+from data_pipeline.config import SourceConfig
+from data_pipeline.errors import DataError
+from data_pipeline.sources import resolve_source
+from dputil import make_docs, write_jsonl
+
+
+def all_docs(src):
+    return [t for shard in range(src.n_shards) for _, t in src.docs(shard)]
+
+
+def test_builtin_python_docs(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRETRAIN_CACHE", str(tmp_path))
+    src = resolve_source(SourceConfig(path="builtin:python-docs"))
+    docs = all_docs(src)
+    assert src.kind == "json" and src.n_shards == builtin.N_FILES
+    assert docs == builtin.python_docs() and len(docs) > 200
+    assert sum(map(len, docs)) > 400_000 and "assert" in docs[0]
+    assert all(f.startswith(str(tmp_path)) for f in src.files)
+    assert resolve_source(SourceConfig(path="builtin:python-docs")).fingerprint == src.fingerprint
+    with pytest.raises(DataError, match="unknown builtin dataset 'builtin:nope'"):
+        resolve_source(SourceConfig(path="builtin:nope"))
+
+
+def test_local_kinds_globs_and_dirs(tmp_path):
+    docs = make_docs(30, seed=0)
+    write_jsonl(tmp_path / "a.jsonl", docs[:10])
+    write_jsonl(tmp_path / "b.jsonl", docs[10:20], field="content")
+    pq.write_table(pa.table({"body": docs[20:]}), tmp_path / "c.parquet")
+    (tmp_path / "sub").mkdir()
+    write_jsonl(tmp_path / "sub" / "d.jsonl", docs[:5])
+
+    src = resolve_source(SourceConfig(path=str(tmp_path / "a.jsonl")))
+    assert (src.kind, src.n_shards, all_docs(src)) == ("json", 1, docs[:10])
+    src = resolve_source(SourceConfig(path=str(tmp_path / "b.jsonl"), text_field="content"))
+    assert all_docs(src) == docs[10:20]
+    src = resolve_source(SourceConfig(path=str(tmp_path / "c.parquet"), text_field="body"))
+    assert (src.kind, all_docs(src)) == ("parquet", docs[20:])
+    src = resolve_source(SourceConfig(path=str(tmp_path / "*.jsonl"), text_field="text"))
+    assert src.files == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")] and src.n_shards == 2
+    src = resolve_source(SourceConfig(path=str(tmp_path / "sub")))
+    assert all_docs(src) == docs[:5]
+    with pytest.raises(DataError, match="mixes json, parquet files"):
+        resolve_source(SourceConfig(path=str(tmp_path)))
+
+
+def test_text_sample_by(tmp_path):
+    (tmp_path / "t.txt").write_text("para one\nline two\n\npara two\n\n\npara three\n")
+    def docs(by):
+        return all_docs(resolve_source(SourceConfig(path=str(tmp_path / "t.txt"), sample_by=by)))
+    assert docs("line") == ["para one", "line two", "", "para two", "", "", "para three"]
+    assert [d.strip() for d in docs("paragraph")] == ["para one\nline two", "para two", "para three"]
+    assert docs("document") == ["para one\nline two\n\npara two\n\n\npara three\n"]
+    with pytest.raises(DataError, match="sample_by='page'"):
+        docs("page")
+
+
+def test_step_and_phase_select_rows(tmp_path):
+    docs = make_docs(2500, seed=3)  # more rows than one Arrow read
+    src = resolve_source(SourceConfig(path=str(write_jsonl(tmp_path / "a.jsonl", docs))))
+    got = list(src.docs(0, start=1001, step=7, phase=3))
+    assert got == [(i, docs[i]) for i in range(1001, 2500) if i % 7 == 3]
+
+
+def test_undecodable_bytes(tmp_path):
+    (tmp_path / "bad.txt").write_bytes(b"hello\n\nbad \xff\xfe bytes\n\nok")
+    docs = all_docs(resolve_source(SourceConfig(path=str(tmp_path / "bad.txt"))))
+    assert docs == ["hello", "bad \ufffd\ufffd bytes", "ok"]  # text files: replaced, not fatal
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "bad \xff bytes"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl\) is not valid UTF-8.*re-encode"):
+        resolve_source(SourceConfig(path=str(tmp_path / "bad.jsonl")))
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(DataError, match=r"'.*missing.jsonl' does not exist"):
+        resolve_source(SourceConfig(path=str(tmp_path / "missing.jsonl")))
+    with pytest.raises(DataError, match="matches no files"):
+        resolve_source(SourceConfig(path=str(tmp_path / "*.parquet")))
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError, match=r"'.*empty.jsonl' is empty"):
+        resolve_source(SourceConfig(path=str(tmp_path / "empty.jsonl")))
+    (tmp_path / "blank.txt").write_text("\n\n\n")
+    with pytest.raises(DataError, match="is empty"):
+        resolve_source(SourceConfig(path=str(tmp_path / "blank.txt")))
+    write_jsonl(tmp_path / "c.jsonl", ["x"], field="content")
+    with pytest.raises(DataError, match=r"has no field 'text' \(columns: content, id\)"):
+        resolve_source(SourceConfig(path=str(tmp_path / "c.jsonl")))
+    write_jsonl(tmp_path / "n.jsonl", ["x"])
+    with pytest.raises(DataError, match="field 'id' holds int64, not text"):
+        resolve_source(SourceConfig(path=str(tmp_path / "n.jsonl"), text_field="id"))
+    (tmp_path / "x.csv").write_text("a\n")
+    with pytest.raises(DataError, match="cannot tell the format"):
+        resolve_source(SourceConfig(path=str(tmp_path / "x.csv")))
+    with pytest.raises(DataError, match="kind='csv'"):
+        resolve_source(SourceConfig(path=str(tmp_path / "x.csv"), kind="csv"))

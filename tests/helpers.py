@@ -1,0 +1,114 @@
+"""Shared test helpers: run real training processes and read what they wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+def shared_file(name: str) -> Path:
+    path = SHARED_DATA / name
+    if not path.is_file():
+        pytest.skip(f"{path} not available")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", WANDB_SILENT="true", TOKENIZERS_PARALLELISM="false",
+               PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu")
+    env.pop("WANDB_API_KEY", None)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    env.update(extra or {})
+    return env
+
+
+def run_train(overrides: list[str], nproc: int = 1, config: Path = TINY, launcher: str = "torchrun",
+              timeout: int = 300, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """`pretrain train` in fresh processes (1 = plain python; n = torchrun/accelerate with n CPU ranks)."""
+    args = ["train", str(config), "logging.progress=false", *overrides]
+    if nproc == 1 and launcher == "torchrun":
+        cmd = [sys.executable, "-m", "pretrain", *args]
+    elif launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(free_port()), "-m", "pretrain", *args]
+    elif launcher == "accelerate":
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(REPO / "launch" / "accelerate_cpu_2proc.yaml"), "--num_processes", str(nproc),
+               "--main_process_port", str(free_port()), "-m", "pretrain", *args]
+    else:
+        raise ValueError(launcher)
+    proc = subprocess.run(cmd, cwd=REPO, env=train_env(env), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> train/loss of every training record (log_every=1 gives every step)."""
+    return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
+
+
+def read_wandb_records(run_dir: Path) -> list:
+    """Every record of the offline W&B run in run_dir, as wandb's own protobuf `Record`s.
+
+    wandb >= 0.2x no longer ships a Python reader for its `.wandb` transaction log, which is a
+    LevelDB-style log: a 7-byte file header (':W&B', magic 0xBEE1, version), then 32 KiB blocks of
+    records, each with a 7-byte header (crc32c, length, type: 1 full, 2 first, 3 middle, 4 last).
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    [path] = list(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))
+    data = path.read_bytes()
+    ident, magic, version = struct.unpack("<4sHB", data[:7])
+    assert (ident, magic, version) == (b":W&B", 0xBEE1, 0), "not a W&B transaction log"
+    records, pending, pos, block = [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        room = block - pos % block
+        if room < 7:  # a block's tail too short for a header is padding
+            pos += room
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:
+            pos += room
+            continue
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def wandb_history(run_dir: Path) -> list[dict]:
+    """The logged rows of an offline W&B run: [{key: value}] in order."""
+    rows = []
+    for r in read_wandb_records(run_dir):
+        if r.WhichOneof("record_type") == "history":
+            rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item})
+    return rows

@@ -1,0 +1,107 @@
+"""End-to-end training runs in real processes (DeepSpeed ZeRO-3 on CPU, gloo)."""
+
+import json
+
+import pytest
+
+from helpers import losses, read_metrics, run_train, shared_file, wandb_history, read_wandb_records
+
+pytestmark = pytest.mark.slow
+
+# Small and deterministic: 4 sequences of 64 tokens per micro-batch, a global batch of 8.
+SMALL = ["data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", "logging.log_every=1",
+         "logging.wandb=disabled", "schedule.warmup_steps=2", "schedule.decay_steps=10",
+         "distributed.param_persistence_threshold=0"]
+
+
+def test_tiny_preset_learns_shakespeare_with_gpt2_tokenizer(tmp_path):
+    text, tok = shared_file("tinyshakespeare.txt"), shared_file("gpt2-tokenizer.json")
+    run = tmp_path / "run"
+    proc = run_train([f"data.sources=[{{path: {text}}}]", f"data.tokenizer={tok}", "data.seq_len=64",
+                      "train.micro_batch_size=8", "train.max_steps=40", "optimizer.lr=3e-3",
+                      "schedule.warmup_steps=5", "logging.log_every=5", "logging.wandb=disabled",
+                      f"train.run_dir={run}"])
+    records = read_metrics(run)
+    first, last = records[0], records[-1]
+    # ln(50304) = 10.8 at init; a model that learns is several nats lower after 40 steps.
+    assert first["train/loss"] > 9.0
+    assert last["train/loss"] < first["train/loss"] - 3.0, [r["train/loss"] for r in records]
+    assert last["tokens_seen"] == 40 * 8 * 64
+    assert last["flops"] > 0 and last["perf/tokens_per_s"] > 0 and "memory/rss_gib" in last
+    assert "done: 40 steps" in proc.stdout
+
+
+def test_two_processes_match_one_process(tmp_path):
+    """Same global batch of 8: 1 rank x 2 accumulation steps vs 2 ranks x 1 (same micro-batch)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train(SMALL + ["train.max_steps=6", f"train.run_dir={one}"])
+    proc = run_train(SMALL + ["train.max_steps=6", f"train.run_dir={two}"], nproc=2)
+    a, b = losses(one), losses(two)
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), (step, a[step], b[step])
+    assert a[6] < a[1]
+    assert "world size 2" in proc.stdout
+
+
+def test_accelerate_launch_forms_one_group_of_two(tmp_path):
+    """accelerate launch on CPU must not start two processes that each think they are rank 0."""
+    acc, tr = tmp_path / "acc", tmp_path / "torchrun"
+    proc = run_train(SMALL + ["train.max_steps=3", f"train.run_dir={acc}"], nproc=2, launcher="accelerate")
+    run_train(SMALL + ["train.max_steps=3", f"train.run_dir={tr}"], nproc=2)
+    assert "world size 2" in proc.stdout
+    ckpt = acc / "checkpoints" / "step_00000003"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["world_size"] == 2
+    # One ZeRO shard per rank, ranks 0 and 1: two distinct ranks in one group.
+    shards = sorted(p.name for p in ckpt.glob("zero_pp_rank_*_optim_states.pt"))
+    assert shards == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    # Distinct data per rank: every stream's position was reported by exactly one rank, and
+    # the two ranks together consumed the global batches.
+    state = json.loads((ckpt / "data_state.json").read_text())
+    assert state["consumed"] == 3 * 8
+    # Same group, same data, same numbers as torchrun's group of two.
+    assert losses(acc) == losses(tr)
+
+
+def test_unknown_override_fails_fast_with_one_line():
+    proc = run_train(["train.max_step=5"], check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("pretrain: error: unknown key 'train.max_step'")
+    assert "Traceback" not in proc.stderr
+
+
+def test_batch_not_divisible_by_world_size(tmp_path):
+    proc = run_train(["train.micro_batch_size=2", "train.global_batch_size=3", f"train.run_dir={tmp_path}"],
+                     nproc=2, check=False)
+    assert proc.returncode != 0
+    assert "not divisible by micro_batch_size 2 x world size 2" in proc.stderr
+    # torchrun prints its own ChildFailedError traceback; ours must not print one.
+    assert not [line for line in proc.stderr.splitlines() if line.strip().startswith("File") and "/pretrain/" in line]
+
+
+def test_nonfinite_loss_stops_before_corrupting(tmp_path):
+    proc = run_train(SMALL + ["optimizer.lr=1e30", "schedule.warmup_steps=0", "train.max_steps=20",
+                              f"train.run_dir={tmp_path}"], check=False)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "stopped before the update" in proc.stderr
+    assert not list((tmp_path / "checkpoints").glob("step_*"))
+
+
+def test_wandb_offline_run_logs_scaling_law_fields(tmp_path):
+    run_train(SMALL + ["logging.wandb=offline", "train.max_steps=4", f"train.run_dir={tmp_path}"])
+    records = read_wandb_records(tmp_path)
+    config = next(r.run.config for r in records if r.WhichOneof("record_type") == "run")
+    values = {item.key: json.loads(item.value_json) for item in config.update}
+    scaling = values["scaling"].get("value", values["scaling"])
+    assert values["train"].get("value", values["train"])["max_steps"] == 4  # the resolved config
+    assert scaling["n_params"] > scaling["n_params_non_embedding"] > 0
+    assert scaling["flops_per_token"] > 6 * scaling["n_params_non_embedding"]
+    metrics = {(r.metric.name or r.metric.glob_name): r.metric.step_metric
+               for r in records if r.WhichOneof("record_type") == "metric"}
+    assert metrics["train/*"] == "tokens_seen" and metrics["compute/*"] == "flops"
+    rows = [row for row in wandb_history(tmp_path) if "train/loss" in row]
+    local = read_metrics(tmp_path)
+    assert [row["train/loss"] for row in rows] == pytest.approx([r["train/loss"] for r in local])
+    assert [row["tokens_seen"] for row in rows] == [s * 8 * 64 for s in (1, 2, 3, 4)]
+    assert rows[-1]["flops"] == rows[-1]["tokens_seen"] * scaling["flops_per_token"]
