@@ -10,7 +10,7 @@ have_all() {
 } >/dev/null 2>&1
 
 if have_all; then
-    echo "slurm and munge already installed: $(sbatch --version)"
+    echo "slurm and munge already installed: $(slurmd -V)"
     exit 0
 fi
 if [[ $(id -u) -ne 0 ]]; then
@@ -27,4 +27,4 @@ apt-get update -q
 # --no-install-recommends: no MariaDB/slurmdbd and friends; the test cluster needs none of them.
 # util-linux provides unshare/nsenter (normally present already).
 apt-get install -y -q --no-install-recommends slurm-wlm munge util-linux
-echo "installed: $(sbatch --version)"
+echo "installed: $(slurmd -V)"

@@ -175,6 +175,12 @@ class TokenLoader:
         """Global training tokens consumed: sequences x seq_len."""
         return self.sequences_consumed * self.plan.seq_len
 
+    def stats(self) -> dict:
+        """Documents tokenized and empty documents skipped by this rank's text streams, up to the
+        start of each stream's current shuffle block."""
+        states = [st for st in self._states.values() if "docs" in st]
+        return {"docs": sum(st["docs"] for st in states), "empty_docs": sum(st["empty"] for st in states)}
+
     def _items(self) -> Iterator:
         data = _Sequences(self.plan, self.rank, self.world_size, self._m, dict(self._states))
         if self.num_workers == 0:
@@ -187,19 +193,27 @@ class TokenLoader:
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         items = self._items()
         B = self.micro_batch_size
-        while True:
-            rows = []
-            for _ in range(B):
-                item = next(items)
-                if isinstance(item, _WorkerError):
-                    raise DataError(item.message)
-                rows.append(item)
-            x = torch.from_numpy(np.stack([r[0] for r in rows])).long()  # (B, T+1)
-            for i, (_, g, j, s, state) in enumerate(rows):
-                assert g == self.rank + self.world_size * (self._m + i), "sequence out of order"
-                self._states[f"{j}/{s}"] = state
-            self._m += B
-            yield {"input_ids": x[:, :-1].contiguous(), "labels": x[:, 1:].contiguous()}
+        try:
+            while True:
+                rows = []
+                for _ in range(B):
+                    item = next(items)
+                    if isinstance(item, _WorkerError):
+                        raise DataError(item.message)
+                    rows.append(item)
+                inputs = torch.empty((B, self.plan.seq_len), dtype=torch.int64)
+                labels = torch.empty((B, self.plan.seq_len), dtype=torch.int64)
+                x, y = inputs.numpy(), labels.numpy()
+                for i, (w, g, j, s, state) in enumerate(rows):
+                    assert g == self.rank + self.world_size * (self._m + i), "sequence out of order"
+                    x[i] = w[:-1]  # one copy from the window's dtype (int32, or uint16 from a memmap)
+                    y[i] = w[1:]
+                    self._states[f"{j}/{s}"] = state
+                self._m += B
+                yield {"input_ids": inputs, "labels": labels}
+        finally:
+            # Stop the workers now: a traceback that keeps this frame alive would otherwise keep them.
+            del items
 
     def state_dict(self) -> dict:
         """This rank's position: JSON-able. Merge all ranks' with `merge_states` before saving."""

@@ -191,38 +191,41 @@ class PreparedSource:
         self.n_tokens = int(self.starts[-1])
         self.fingerprint = _digest({k: self.meta.get(k) for k in ("tokenizer_fingerprint", "source", "tokens", "shards")})
         self._maps = None
-        self._perm = (None, None)
+        self._perms = {}
 
     def __getstate__(self):  # memmaps are reopened in each process
-        return {**self.__dict__, "_maps": None, "_perm": (None, None)}
+        return {**self.__dict__, "_maps": None, "_perms": {}}
 
     def check(self) -> None:
         if self.n_tokens == 0:
             raise DataError(f"prepared source {self.label!r} has no tokens: prepare a non-empty source")
 
     def window(self, w: int, length: int) -> np.ndarray:
-        """Window w: tokens [w*length, (w+1)*length) of the concatenated shards, as int32."""
-        if self._maps is None:
-            self._maps = [np.memmap(f, dtype=self.dtype, mode="r") for f in self.files]
-        a, b = w * length, (w + 1) * length
-        f = int(np.searchsorted(self.starts, a, side="right")) - 1
-        lo = a - self.starts[f]
-        if b <= self.starts[f + 1]:
-            return self._maps[f][lo:lo + length].astype(np.int32)
-        parts, need = [], length  # a window across shard files
+        """Window w: tokens [w*length, (w+1)*length) of the concatenated shards, in the file's dtype
+        (a view of the memmap where it lies in one file)."""
+        if self._maps is None:  # plain ndarray views: slicing an np.memmap costs a Python __array_finalize__
+            self._maps = [np.memmap(f, dtype=self.dtype, mode="r").view(np.ndarray) for f in self.files]
+        a = w * length
+        f = int(np.searchsorted(self.starts, a, side="right")) - 1 if len(self.files) > 1 else 0
+        lo = a - int(self.starts[f])
+        piece = self._maps[f][lo:lo + length]
+        if len(piece) == length:
+            return piece
+        parts, need = [piece], length - len(piece)  # a window across shard files
         while need:
-            piece = self._maps[f][lo:lo + need]
-            parts.append(piece)
-            need -= len(piece)
-            f, lo = f + 1, 0
-        return np.concatenate(parts).astype(np.int32)
+            f += 1
+            parts.append(self._maps[f][:need])
+            need -= len(parts[-1])
+        return np.concatenate(parts)
 
     def permutation(self, key: tuple, n: int) -> np.ndarray:
-        """Seeded permutation of n window indices; the latest one is cached (all streams of a worker
-        share an epoch's permutation)."""
-        if self._perm[0] != (key, n):
-            self._perm = ((key, n), np.random.default_rng(list(key)).permutation(n))
-        return self._perm[1]
+        """Seeded permutation of n window indices. The last two are cached: the streams of a worker
+        share them, and near an epoch's end some streams are already in the next one."""
+        perm = self._perms.get((key, n))
+        if perm is None:
+            perm = np.random.default_rng(list(key)).permutation(n)
+            self._perms = {**dict(list(self._perms.items())[-1:]), (key, n): perm}
+        return perm
 
 
 def resolve_source(cfg: SourceConfig) -> TextSource | PreparedSource:

@@ -235,13 +235,26 @@ class CheckpointManager:
         position and RNG. At another world size, through DeepSpeed's universal checkpoint (the
         engine must have been built with checkpoint.load_universal)."""
         load_dir, tag = ckpt.parent, ckpt.name
-        if meta["world_size"] != self.env.world_size:
-            universal = self.universal_dir(ckpt)
-            load_dir, tag = universal.parent, universal.name
+        universal = meta["world_size"] != self.env.world_size
+        if universal:
+            folder = self.universal_dir(ckpt)
+            load_dir, tag = folder.parent, folder.name
+        groups = engine.optimizer.param_groups
+        hyper = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in groups]
         path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
                                          load_lr_scheduler_states=load_scheduler)
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load {ckpt}")
+        if universal:
+            # Two flaws of DeepSpeed's ZeRO-3 universal loader with several param groups: it copies
+            # the first group's hyperparameters into every group (weight decay on norms and
+            # embeddings), and it gives every group the SAME `step` tensor, which torch's AdamW then
+            # increments once per group per step (wrong bias correction). Undo both.
+            for group, saved in zip(groups, hyper):
+                group.update(saved)
+            for state in engine.optimizer.optimizer.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
         if not load_data:
             return
         loader.load_state_dict(json.loads((ckpt / "data_state.json").read_text()))

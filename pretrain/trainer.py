@@ -63,6 +63,7 @@ class Trainer:
         self.peak = peak_flops(env.device, precision, cfg.distributed.peak_flops)
         self.step = 0  # optimizer steps done
         self.skipped = 0  # micro-batches dropped for a non-finite loss (on_nonfinite=skip)
+        self.saved_step = -1  # step of the newest checkpoint of this run (no second save of a step)
         self.data_iter = None  # made in fit(), after a resume has positioned the loader
         self.stop = StopSignal()
         self.timers = dict.fromkeys(("data", "compute"), 0.0)
@@ -73,6 +74,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.skipped = state["step"], state.get("skipped", 0)
+        self.saved_step = self.step
 
     @property
     def tokens_seen(self) -> int:
@@ -134,7 +136,9 @@ class Trainer:
         return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
 
     def save(self) -> None:
-        self.ckpt.save(self.step, self.engine, self.loader, self.state_dict(), self.logger.run_id)
+        if self.saved_step != self.step:
+            self.ckpt.save(self.step, self.engine, self.loader, self.state_dict(), self.logger.run_id)
+            self.saved_step = self.step
 
     def _stop_requested(self) -> int:
         """The signal any rank received (0 = none): all ranks must stop at the same step."""
@@ -246,8 +250,9 @@ def run(config_path: str, overrides: list[str]) -> None:
         trainer, logger = build_run(cfg, env)
         summary = trainer.fit()
         if env.is_main:
-            print(f"done: {summary['final_step']} steps, loss {summary['first_loss']:.3f} -> "
-                  f"{summary['final_loss']:.3f}"
+            trained = (f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
+                       if summary["first_loss"] is not None else "nothing left to train")
+            print(f"done: {summary['final_step']} steps, {trained}"
                   + (f", eval loss {summary['eval/loss']:.3f}" if "eval/loss" in summary else "")
                   + f", run dir {cfg.train.run_dir}", flush=True)
     except Preempted as e:

@@ -4,6 +4,7 @@
 # and exports the library settings below. Anything already in the environment wins, and sbatch
 # exports the submitting shell's environment, so `GPUS_PER_NODE=4 sbatch ...` overrides a value.
 # Outside Slurm (a local dry run) it falls back to one node: this machine.
+# shellcheck shell=bash disable=SC2034  # the variables are used by the scripts that source this
 
 # --- Program -----------------------------------------------------------------------------------
 PYTHON=${PYTHON:-python}                     # interpreter with `pretrain` installed (e.g. a venv's)
@@ -53,7 +54,7 @@ export PYTHONUNBUFFERED=1
 # A crash prints every thread's Python stack (and `kill -ABRT` on a hung rank shows where it hangs).
 export PYTHONFAULTHANDLER=1
 # Intra-op threads per training process: the task's CPUs shared among the node's processes.
-# (torchrun would set 1 otherwise, which starves CPU runs and the data pipeline's tokenizers.)
+# (torchrun sets 1 when it starts several processes per node, which starves CPU-side work.)
 cpus_per_proc=$(( ${SLURM_CPUS_PER_TASK:-1} / NPROC_PER_NODE ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cpus_per_proc > 0 ? cpus_per_proc : 1 ))}
 # NCCL prints warnings only; set INFO (and NCCL_DEBUG_SUBSYS=INIT,NET) to see which network

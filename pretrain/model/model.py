@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, ContextManager, Iterable
+from typing import Callable, ContextManager
 
 import torch
 import torch.nn.functional as F

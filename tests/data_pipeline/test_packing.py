@@ -104,3 +104,15 @@ def test_gpt2_tinyshakespeare_stream():
     n = len(expected) // 1024
     got = windows(take(build_loader(cfg, tok, 0, 1, 10), n // 10)).flatten().tolist()
     assert got == expected[:n // 10 * 10 * 1024]
+
+
+def test_empty_documents_are_skipped_and_counted(tmp_path, tok):
+    docs = make_docs(40, seed=4)
+    with_empty = [d for doc in docs for d in (doc, "", "  \n")]
+    write_jsonl(tmp_path / "a.jsonl", with_empty)
+    cfg = data_cfg(tmp_path / "a.jsonl", num_streams=1, shuffle_blocks=1)
+    expected = doc_tokens(tok, docs)
+    n = len(expected) // 17
+    loader = build_loader(cfg, tok, 0, 1, 1)
+    assert windows(take(loader, n)).flatten().tolist() == expected[:n * 17]
+    assert loader.stats()["empty_docs"] > 70 and loader.stats()["docs"] > 35

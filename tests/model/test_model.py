@@ -150,7 +150,7 @@ def test_dtype_casts_keep_the_rope_table_fp32():
     assert model.freqs_cis.dtype == torch.float32 and torch.equal(model.freqs_cis, table)
     out = model(tokens)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), ref, rtol=0, atol=0.1)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=0.02)  # logits ~0.2, bf16 ~3 digits
 
 
 def test_meta_device_build_then_init_equals_plain():

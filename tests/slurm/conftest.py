@@ -115,7 +115,7 @@ class SlurmCluster:
 
 
 def _job_id(sbatch_output: str) -> int | None:
-    m = re.match(r"\s*(\d+)", sbatch_output)  # --parsable prints "ID" or "ID;cluster" first
+    m = re.search(r"^(\d+)(;\S*)?$", sbatch_output, re.M)  # --parsable: "ID" or "ID;cluster"
     return int(m.group(1)) if m else None
 
 

@@ -1,0 +1,199 @@
+"""Checkpoints: exact resume after a kill (1 and 2 ranks), resume at another world size, signals,
+atomicity and rotation, mismatch errors, fine-tuning from shards."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import REPO, TINY, free_port, losses, run_train, train_env
+
+pytestmark = pytest.mark.slow
+
+BASE = ["data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", "logging.log_every=1",
+        "logging.wandb=disabled", "schedule.warmup_steps=2", "schedule.decay_steps=8",
+        "distributed.param_persistence_threshold=0", "train.max_steps=8"]
+
+
+def _start(overrides, nproc=1):
+    args = ["train", str(TINY), "logging.progress=false", *overrides]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "pretrain", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(free_port()), "-m", "pretrain", *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _kill_after_checkpoint(run_dir, step, nproc=1):
+    """Train with a checkpoint every `step` steps and SIGKILL the whole process group as soon as
+    the first checkpoint is complete (the run is then somewhere in the following steps)."""
+    proc = _start(BASE + [f"checkpoint.every={step}", f"train.run_dir={run_dir}"], nproc)
+    target = run_dir / "checkpoints" / f"step_{step:08d}"
+    deadline = time.time() + 240
+    while not target.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline
+        time.sleep(0.02)
+    _kill_tree(proc)
+
+
+def _kill_tree(proc):
+    """SIGKILL a launcher and every process under it (torchrun starts workers in their own sessions)."""
+    import psutil
+
+    procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for p in procs:
+        p.kill()
+    psutil.wait_procs(procs, timeout=30)
+    proc.wait()
+
+
+def _last_losses(run_dir):
+    """step -> loss, the later record winning (a killed run may have logged steps it then lost)."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "train/loss" in r:
+            out[r["step"]] = r["train/loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Uninterrupted 8-step runs at 1 and 2 ranks, the references."""
+    out = {}
+    for nproc in (1, 2):
+        run = tmp_path_factory.mktemp(f"straight{nproc}")
+        run_train(BASE + ["checkpoint.every=4", f"train.run_dir={run}"], nproc=nproc)
+        out[nproc] = run
+    return out
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_kill_and_resume_is_exact(tmp_path, straight, nproc):
+    _kill_after_checkpoint(tmp_path, 4, nproc)
+    proc = run_train(BASE + ["checkpoint.every=4", "checkpoint.resume=auto", f"train.run_dir={tmp_path}"],
+                     nproc=nproc)
+    assert "resumed from" in proc.stdout and "at step 4" in proc.stdout
+    assert _last_losses(tmp_path) == losses(straight[nproc])  # bitwise, every step
+
+
+@pytest.mark.parametrize("saved,resumed", [(2, 1), (1, 2)])
+def test_resume_at_another_world_size(tmp_path, straight, saved, resumed):
+    """The step-4 checkpoint of an N-rank run continues on M ranks: weights, optimizer, schedule and
+    data position are restored (1 vs 2 ranks differ only by summation order, ~1e-6)."""
+    shutil.copytree(straight[saved] / "checkpoints" / "step_00000004", tmp_path / "checkpoints" / "step_00000004")
+    proc = run_train(BASE + ["checkpoint.resume=auto", f"train.run_dir={tmp_path}"], nproc=resumed)
+    assert f"saved at world size {saved}" in proc.stdout
+    got, want = losses(tmp_path), losses(straight[saved])
+    assert sorted(got) == [5, 6, 7, 8]
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=1e-4), (step, got[step], want[step])
+    state = json.loads((tmp_path / "checkpoints" / "step_00000008" / "data_state.json").read_text())
+    assert state["consumed"] == 8 * 8  # no sequence skipped or repeated
+
+
+def test_sigterm_saves_then_exits_75_and_resume_continues(tmp_path, straight):
+    proc = _start(BASE + ["train.max_steps=400", "schedule.decay_steps=8", f"train.run_dir={tmp_path}"])
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-2000:]
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert len(saved) == 1
+    step = int(saved[0][5:])
+    assert f"saved step {step}" in out
+    proc = run_train(BASE + ["checkpoint.resume=auto", f"train.run_dir={tmp_path}"])
+    got, want = _last_losses(tmp_path), losses(straight[1])
+    assert got == want  # steps 1..step from the first run, the rest after the resume
+
+
+def test_rotation_and_interrupted_saves(tmp_path):
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    # Debris of a save killed midway and of a step folder without a manifest: never resumed from.
+    (ckpts / ".partial_step_00000010").mkdir(parents=True)
+    run_train(BASE + ["checkpoint.every=2", "checkpoint.keep_last=2", "checkpoint.keep_every=4",
+                      f"train.run_dir={run}"])
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step_00000004", "step_00000006", "step_00000008"]
+    assert (ckpts / "latest").read_text() == "step_00000008"
+    manifest = json.loads((ckpts / "step_00000008" / "manifest.json").read_text())["files"]
+    assert {"meta.json", "data_state.json", "tokenizer.json", "rng_states.pt"} <= set(manifest)
+    # A newer step folder that lost its manifest (a kill between write and rename cannot produce
+    # it, but a user copy can): resume=auto must skip it.
+    shutil.copytree(ckpts / "step_00000008", ckpts / "step_00000012")
+    (ckpts / "step_00000012" / "manifest.json").unlink()
+    proc = run_train(BASE + ["train.max_steps=9", "checkpoint.resume=auto", f"train.run_dir={run}"])
+    assert "resumed from" in proc.stdout and "step_00000008" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def saved_run(straight, tmp_path_factory):
+    return straight[1]
+
+
+def _corrupt_copy(src, dst, edit):
+    shutil.copytree(src / "checkpoints" / "step_00000008", dst / "checkpoints" / "step_00000008")
+    edit(dst / "checkpoints" / "step_00000008")
+    return run_train(BASE + ["train.max_steps=9", "checkpoint.resume=auto", f"train.run_dir={dst}"], check=False)
+
+
+def test_truncated_shard_is_refused(tmp_path, saved_run):
+    def truncate(ckpt):
+        shard = ckpt / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        shard.write_bytes(shard.read_bytes()[:1000])
+
+    proc = _corrupt_copy(saved_run, tmp_path, truncate)
+    assert proc.returncode == 2 and "truncated" in proc.stderr.splitlines()[-1], proc.stderr[-1500:]
+
+
+def test_flipped_bytes_fail_the_checksum(tmp_path, saved_run):
+    def flip(ckpt):
+        shard = ckpt / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+
+    proc = _corrupt_copy(saved_run, tmp_path, flip)
+    assert proc.returncode == 2 and "fails its checksum" in proc.stderr, proc.stderr[-1500:]
+
+
+def test_missing_shard_is_named(tmp_path, saved_run):
+    proc = _corrupt_copy(saved_run, tmp_path,
+                         lambda ckpt: (ckpt / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink())
+    assert proc.returncode == 2 and "is missing zero_pp_rank_0_mp_rank_00_optim_states.pt" in proc.stderr
+
+
+def test_other_model_shape_is_refused(tmp_path, saved_run):
+    shutil.copytree(saved_run / "checkpoints", tmp_path / "checkpoints")
+    proc = run_train(BASE + ["model.n_layers=3", "checkpoint.resume=auto", f"train.run_dir={tmp_path}"], check=False)
+    assert proc.returncode == 2
+    assert "another model shape (n_layers: checkpoint 4 vs config 3)" in proc.stderr
+
+
+def test_explicit_missing_checkpoint_path(tmp_path):
+    proc = run_train(BASE + [f"checkpoint.resume={tmp_path}/nope", f"train.run_dir={tmp_path}"], check=False)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_finetune_from_shards_of_another_world_size(tmp_path, straight):
+    """init_from loads only the weights (here from a 2-rank checkpoint into 1 rank): the fine-tune
+    starts at the pretrained loss, not at a fresh model's, with a fresh step count and schedule."""
+    fresh = run_train(BASE + ["train.max_steps=1", "train.seed=7", f"train.run_dir={tmp_path}/fresh"])
+    ft = run_train(BASE + ["train.max_steps=2", f"checkpoint.init_from={straight[2]}/checkpoints",
+                           f"train.run_dir={tmp_path}/ft"])
+    assert "fine-tuning from" in ft.stdout
+    got, pretrained, scratch = losses(tmp_path / "ft"), losses(straight[2]), losses(tmp_path / "fresh")
+    assert sorted(got) == [1, 2]
+    assert got[1] < scratch[1] - 0.5
+    assert got[1] == pytest.approx(pretrained[8], abs=0.5)
