@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -44,17 +45,23 @@ def corpus_docs(copies: int) -> tuple[list[str], str]:
     return docs * copies, f"{name} x{copies}"
 
 
-def raw_rate(spec: str, data: Path) -> tuple[int, float]:
+def cpu_seconds() -> float:
+    """CPU time of this process and its finished children (loader workers), all threads."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def raw_rate(spec: str, data: Path) -> tuple[int, float, float]:
     """encode_batch over the corpus, 1000 documents a call, in a fresh process (its tokenizer threads
-    are never forked into loader workers). Returns (tokens incl. one EOT per doc, tokens/s)."""
+    are never forked into loader workers). Returns (tokens incl. one EOT per doc, tokens/s, CPU s)."""
     code = ("import sys,time,json;from data_pipeline import load_tokenizer;"
             f"tok=load_tokenizer({spec!r});docs=[json.loads(l)['text'] for l in open({str(data)!r})];"
-            "t=time.perf_counter();n=0\n"
+            "t=time.perf_counter();c=time.process_time();n=0\n"
             "for i in range(0,len(docs),1000): n+=sum(len(e.ids)+1 for e in tok.encode_batch(docs[i:i+1000]))\n"
-            "print(n, time.perf_counter()-t)")
+            "print(n, time.perf_counter()-t, time.process_time()-c)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    n, dt = out.split()
-    return int(n), int(n) / float(dt)
+    n, dt, cpu = out.split()
+    return int(n), int(n) / float(dt), float(cpu)
 
 
 def pipeline_rate(cfg, tok, micro_batch: int, n_tokens: int):
@@ -64,16 +71,17 @@ def pipeline_rate(cfg, tok, micro_batch: int, n_tokens: int):
     loader = build_loader(cfg, tok, 0, 1, micro_batch)
     per_batch = micro_batch * (cfg.seq_len + 1)
     n_batches = int(n_tokens * 0.95) // per_batch  # about one epoch: every stream still in epoch 0
-    t0 = time.perf_counter()
+    c0, t0 = cpu_seconds(), time.perf_counter()
     it = iter(loader)
     next(it)
     t1 = time.perf_counter()
     for _ in range(n_batches - 1):
         next(it)
     t2 = time.perf_counter()
-    del it
+    del it  # stops and joins the workers, so that their CPU time is counted
+    cpu = cpu_seconds() - c0
     return (n_batches * per_batch / (t2 - t0), (n_batches - 1) * per_batch / (t2 - t1), t1 - t0,
-            loader.num_workers)
+            loader.num_workers, cpu * n_tokens / (n_batches * per_batch))
 
 
 def main() -> None:
@@ -108,16 +116,18 @@ def main() -> None:
         # Raw and pipeline alternate, so that load from other processes on the machine hits both alike.
         cfg = DataConfig(sources=[SourceConfig(path=str(data))], tokenizer=spec, seq_len=args.seq_len,
                          num_streams=args.num_streams, num_workers=args.workers, shuffle_blocks=16)
-        ratios = []
+        # CPU seconds per epoch tell the cost apart from other processes' load on a shared machine.
+        ratios, cpu_ratios = [], []
         for r in range(args.rounds):
-            n_tokens, raw = raw_rate(spec, data)
-            total, steady, first, workers = pipeline_rate(cfg, tok, args.micro_batch, n_tokens)
+            n_tokens, raw, raw_cpu = raw_rate(spec, data)
+            total, steady, first, workers, cpu = pipeline_rate(cfg, tok, args.micro_batch, n_tokens)
             ratios.append(total / raw)
-            print(f"round {r}: raw encode_batch {raw / 1e6:5.2f} M tokens/s | pipeline ({workers} workers) "
-                  f"{total / 1e6:5.2f} M = {total / raw:.0%} of raw (first batch after {first:.1f} s; "
-                  f"after it {steady / 1e6:.2f} M = {steady / raw:.0%})")
-        print(f"pipeline / raw, median of {args.rounds}: {statistics.median(ratios):.0%} "
-              f"({n_tokens} tokens a round, one EOT per doc included)")
+            cpu_ratios.append(raw_cpu / cpu)
+            print(f"round {r}: raw encode_batch {raw / 1e6:5.2f} M tokens/s, {raw_cpu:.2f} CPU s | pipeline "
+                  f"({workers} workers) {total / 1e6:5.2f} M = {total / raw:.0%} of raw (after the first batch "
+                  f"at {first:.1f} s: {steady / 1e6:.2f} M = {steady / raw:.0%}), {cpu:.2f} CPU s an epoch")
+        print(f"median of {args.rounds}: pipeline/raw tokens/s {statistics.median(ratios):.0%}; raw CPU/pipeline "
+              f"CPU {statistics.median(cpu_ratios):.0%} ({n_tokens} tokens an epoch, one EOT per doc included)")
 
         t0 = time.perf_counter()
         [pdir] = prepare(cfg, tmp / "prepared", num_proc=0)

@@ -74,11 +74,12 @@ def main() -> None:
 
     n_tok = a.batch * a.seq_len
     rate = {k: n_tok / statistics.median(v) for k, v in times.items()}
+    best = {k: n_tok / min(v) for k, v in times.items()}  # least disturbed by other load
     ratio = statistics.median(h / o for o, h in zip(times["ours"], times["hf"]))
     print(f"shape: {vars(a)}  torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}")
-    print(f"ours : {rate['ours']:9.0f} tokens/s (median of {a.iters})")
-    print(f"HF   : {rate['hf']:9.0f} tokens/s (LlamaForCausalLM, attn={a.hf_attn})")
+    print(f"ours : {rate['ours']:7.0f} tokens/s median, {best['ours']:7.0f} best of {a.iters}")
+    print(f"HF   : {rate['hf']:7.0f} tokens/s median, {best['hf']:7.0f} best (LlamaForCausalLM, attn={a.hf_attn})")
     print(f"ratio ours/HF: {ratio:.3f} (median over rounds of HF time / our time)")
 
 

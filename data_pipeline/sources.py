@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import weakref
 from pathlib import Path
 from typing import Iterator
 
@@ -28,6 +29,7 @@ COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 SAMPLE_BY = ("line", "paragraph", "document")
 META = "meta.json"
 READ_ROWS = 1024  # rows per Arrow table read from a shard
+SHARED_BYTES = 64 << 20  # Arrow tables of a shard kept for the other streams of a process to read
 
 
 def _first_line(e: BaseException) -> str:
@@ -66,6 +68,7 @@ class TextSource:
             raise DataError(f"data source {self.label!r} has sample_by={cfg.sample_by!r}: use one of "
                             + ", ".join(SAMPLE_BY))
         self._ds = None
+        self._shared = None  # shard -> _SharedShard being read in this process
         self.n_shards = self.open().n_shards
         if self.n_shards < 1:
             raise DataError(f"data source {self.label!r} has no shards: check the path or dataset name")
@@ -79,7 +82,7 @@ class TextSource:
         self.fingerprint = _digest(ident)
 
     def __getstate__(self):  # worker processes open their own dataset object
-        return {**self.__dict__, "_ds": None}
+        return {**self.__dict__, "_ds": None, "_shared": None}
 
     def open(self):
         if self._ds is None:
@@ -118,15 +121,30 @@ class TextSource:
                             "set text_field to a text column")
         return col
 
+    def tables(self, shard: int) -> Iterator[tuple[int, object]]:
+        """(first row, Arrow table) of `shard`, in order. The streams of a process that read the same
+        shard at about the same time share one parse of it (see _SharedShard)."""
+        if self._shared is None:
+            self._shared = weakref.WeakValueDictionary()
+        reader = self._shared.get(shard)
+        if reader is None:
+            reader = self._shared[shard] = _SharedShard(self, shard)
+        t = 0
+        while True:
+            got = reader.table(t)
+            if got is _EVICTED:  # this stream lags too far behind the others: parse again on its own
+                reader = self._shared[shard] = _SharedShard(self, shard)
+                continue
+            if got is None:
+                return
+            yield got
+            t += 1
+
     def docs(self, shard: int, start: int = 0, step: int = 1, phase: int = 0) -> Iterator[tuple[int, str]]:
         """(row, text) for the rows >= start of `shard` with row % step == phase, in order.
         Missing (null) texts come as ""."""
-        ds = self.open()
-        if self.n_shards > 1:
-            ds = ds.shard(num_shards=self.n_shards, index=shard)
-        row = 0
         try:
-            for table in ds.with_format("arrow").iter(batch_size=READ_ROWS):
+            for row, table in self.tables(shard):
                 n = table.num_rows
                 first = max(start, row)
                 r = first + (phase - first) % step
@@ -136,7 +154,6 @@ class TextSource:
                     texts = col.to_pylist() if len(idx) == n else col.take(idx).to_pylist()
                     for k, text in zip(idx, texts):
                         yield row + k, text or ""
-                row += n
         except DataError:
             raise
         except Exception as e:
@@ -151,6 +168,44 @@ class TextSource:
             if self.kind == "hub":
                 break  # do not read a whole hub dataset looking for a row
         raise DataError(f"data source {self.label!r} is empty (no documents): check the path and split")
+
+
+_EVICTED = object()
+
+
+class _SharedShard:
+    """One parse of a shard for all the streams of a process: each stream keeps 1/num_streams of the
+    rows, and the streams of a worker move through a shard at about the same pace, so they read the
+    same Arrow tables. The latest tables are kept up to SHARED_BYTES; a stream asking for an older one
+    gets _EVICTED and parses the shard again itself (exact either way, only slower)."""
+
+    def __init__(self, src: TextSource, shard: int):
+        ds = src.open()
+        if src.n_shards > 1:
+            ds = ds.shard(num_shards=src.n_shards, index=shard)
+        self._it = iter(ds.with_format("arrow").iter(batch_size=READ_ROWS))
+        self._tables = {}  # table index -> (first row, table)
+        self._count, self._row, self._bytes, self._done, self._error = 0, 0, 0, False, None
+
+    def table(self, t: int):
+        if self._error is not None:  # every stream reading this shard fails, none sees it end early
+            raise self._error
+        while self._count <= t and not self._done:
+            try:
+                table = next(self._it, None)
+            except Exception as e:
+                self._error = e
+                raise
+            if table is None:
+                self._done = True
+                break
+            self._tables[self._count] = (self._row, table)
+            self._count, self._row, self._bytes = self._count + 1, self._row + table.num_rows, self._bytes + table.nbytes
+            while self._bytes > SHARED_BYTES and len(self._tables) > 1:
+                self._bytes -= self._tables.pop(min(self._tables))[1].nbytes
+        if t >= self._count:
+            return None
+        return self._tables.get(t, _EVICTED)
 
 
 def _read_error(where: str, e: Exception) -> str:

@@ -19,7 +19,9 @@ resume ignores and the next save removes. A good checkpoint is never overwritten
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import re
@@ -268,7 +270,8 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     consolidation (the same code as its zero_to_fp32.py)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints progress lines
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
 
 
 def load_weights(model: torch.nn.Module, ckpt: Path, env: distributed.Dist, zero3: bool) -> None:

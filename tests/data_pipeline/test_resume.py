@@ -10,13 +10,16 @@ from data_pipeline.tokenizer import train_tokenizer
 from dputil import data_cfg, make_docs, run_ranks, take, windows, write_jsonl
 
 
-@pytest.mark.parametrize("case", ["shuffle", "mixture", "workers", "no-shuffle"])
-def test_exact_resume_three_times(corpus, tmp_path, tok, case):
+@pytest.mark.parametrize("case", ["shuffle", "mixture", "workers", "no-shuffle", "no-shared-parse"])
+def test_exact_resume_three_times(corpus, tmp_path, tok, case, monkeypatch):
     sources, kw = [SourceConfig(path=str(corpus), weight=3)], {"shuffle_blocks": 4}
     if case == "mixture":
         sources.append(SourceConfig(path=str(write_jsonl(tmp_path / "b.jsonl", make_docs(50, 7, "b")))))
     if case == "workers":
         kw["num_workers"] = 2
+    if case == "no-shared-parse":  # streams cannot share parsed tables: each parses on its own
+        monkeypatch.setattr("data_pipeline.sources.SHARED_BYTES", 0)
+        sources.append(SourceConfig(path=str(write_jsonl(tmp_path / "b.jsonl", make_docs(3000, 7, "b")))))
     if case == "no-shuffle":
         kw.update(shuffle_blocks=1, shuffle_shards=False)
     cfg = data_cfg(*sources, **kw)
