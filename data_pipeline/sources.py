@@ -200,7 +200,9 @@ class _SharedShard:
                 self._done = True
                 break
             self._tables[self._count] = (self._row, table)
-            self._count, self._row, self._bytes = self._count + 1, self._row + table.num_rows, self._bytes + table.nbytes
+            self._count += 1
+            self._row += table.num_rows
+            self._bytes += table.nbytes
             while self._bytes > SHARED_BYTES and len(self._tables) > 1:
                 self._bytes -= self._tables.pop(min(self._tables))[1].nbytes
         if t >= self._count:
@@ -244,7 +246,8 @@ class PreparedSource:
                                 "re-run `pretrain data prepare`")
         self.starts = np.cumsum([0] + counts)  # token offset of each shard in the concatenated array
         self.n_tokens = int(self.starts[-1])
-        self.fingerprint = _digest({k: self.meta.get(k) for k in ("tokenizer_fingerprint", "source", "tokens", "shards")})
+        keys = ("tokenizer_fingerprint", "source", "tokens", "shards")
+        self.fingerprint = _digest({k: self.meta.get(k) for k in keys})
         self._maps = None
         self._perms = {}
 

@@ -64,7 +64,8 @@ class TextStream:
     def __init__(self, src: TextSource, tok, eot: int, j: int, s: int, n_streams: int, seq_len: int,
                  seed: int, block: int, shuffle_shards: bool, state: dict | None = None):
         self.src, self.tok, self.eot, self.j, self.s = src, tok, eot, j, s
-        self.n, self.length, self.seed, self.B, self.shuffle_shards = n_streams, seq_len + 1, seed, block, shuffle_shards
+        self.n, self.length, self.seed, self.B = n_streams, seq_len + 1, seed, block
+        self.shuffle_shards = shuffle_shards
         state = state or {}
         self.start = tuple(int(state.get(k, 0)) for k in ("epoch", "shard_pos", "doc", "offset", "docs", "empty"))
         self.block = int(state.get("block", 0))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 from pretrain import distributed
@@ -44,7 +45,9 @@ def build_run(cfg: Config, env: distributed.Dist):
     resume = ckpt.resume_path()
     meta = None
     if resume is not None:
+        t0 = time.perf_counter()
         meta = ckpt.verify(resume)
+        verify_s = time.perf_counter() - t0
         ckpt.check_fingerprint(resume, meta, cfg.data.force_resume)
 
     precision = resolve_precision(cfg, env.device)
@@ -94,7 +97,9 @@ def build_run(cfg: Config, env: distributed.Dist):
 
     trainer = Trainer(cfg, env, engine, loader, val_batches, ckpt, logger, fpt, precision)
     if resume is not None:
+        t0 = time.perf_counter()
         ckpt.load(resume, meta, engine, loader)
+        logger.log({"checkpoint/load_s": time.perf_counter() - t0, "checkpoint/verify_s": verify_s}, meta["step"])
         trainer.load_state_dict(meta["trainer"])
         if env.is_main:
             print(f"resumed from {resume} at step {trainer.step}"

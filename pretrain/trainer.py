@@ -137,8 +137,13 @@ class Trainer:
 
     def save(self) -> None:
         if self.saved_step != self.step:
-            self.ckpt.save(self.step, self.engine, self.loader, self.state_dict(), self.logger.run_id)
+            t0 = time.perf_counter()
+            path = self.ckpt.save(self.step, self.engine, self.loader, self.state_dict(), self.logger.run_id)
+            seconds = time.perf_counter() - t0
             self.saved_step = self.step
+            if self.env.is_main:
+                size = sum(p.stat().st_size for p in path.iterdir() if p.is_file()) / 1e6
+                self.logger.log({"checkpoint/save_s": seconds, "checkpoint/size_mb": size}, self.step)
 
     def _stop_requested(self) -> int:
         """The signal any rank received (0 = none): all ranks must stop at the same step."""

@@ -256,18 +256,18 @@ class _Daemons:
 
     def stop(self) -> None:
         for name, proc, pid_file in reversed(self.procs):  # slurmd before slurmctld before munged
-            try:
-                pid = int(pid_file.read_text().split()[0])
-            except (OSError, ValueError, IndexError):
-                pid = proc.pid
-            _kill(pid, signal.SIGTERM)
+            # The daemons run in the foreground, so the pid in their pid file is our child's
+            # (unshare and sh exec into them). Signal it through Popen, which never signals a
+            # pid that was already reaped and may have been reused.
+            pid = pid_file.read_text().strip() if pid_file.exists() else ""
+            if pid and pid != str(proc.pid):
+                print(f"warning: {pid_file} names {pid}, not the {name} we started ({proc.pid})")
+            proc.terminate()
             try:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                _kill(proc.pid, signal.SIGKILL)
+                proc.kill()
                 proc.wait(timeout=5)
-            if pid != proc.pid:  # a daemon that forked after all: make sure it is gone too
-                _kill(pid, signal.SIGKILL)
         # Job steps (slurmstepd, srun, torchrun, trainers) detach from slurmd but stay in its namespace.
         for _ in range(3):
             left = [p for p in _pids() if _mnt_ns(p) in self.namespaces]
