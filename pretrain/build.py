@@ -17,7 +17,7 @@ from pretrain.model.model import flops_per_token, num_params
 from pretrain.parallelize import build_engine, build_model, deepspeed_config, resolve_precision
 
 
-def build_run(cfg: Config, env: distributed.Dist):
+def build_run(cfg: Config, env: distributed.Dist, stop):
     """Returns (Trainer, logger) ready to `fit()`; raises UserError subclasses for user mistakes."""
     import data_pipeline as dp
     from pretrain.trainer import Trainer
@@ -95,7 +95,7 @@ def build_run(cfg: Config, env: distributed.Dist):
               f"ZeRO-{cfg.distributed.zero_stage} | global batch {cfg.global_batch(env.world_size)} x "
               f"{cfg.data.seq_len} tokens", flush=True)
 
-    trainer = Trainer(cfg, env, engine, loader, val_batches, ckpt, logger, fpt, precision)
+    trainer = Trainer(cfg, env, engine, loader, val_batches, ckpt, logger, fpt, precision, stop)
     if resume is not None:
         t0 = time.perf_counter()
         ckpt.load(resume, meta, engine, loader)

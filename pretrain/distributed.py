@@ -37,7 +37,8 @@ def _env_from_slurm() -> None:
         nodes = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
                                capture_output=True, text=True, check=True).stdout.split()
         os.environ["MASTER_ADDR"] = nodes[0]
-    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", 0)) % 20000))
+    # The same rule as slurm/env.sh: two jobs sharing a node never share a rendezvous port.
+    os.environ.setdefault("MASTER_PORT", str(15000 + int(os.environ.get("SLURM_JOB_ID", 0)) % 15000))
 
 
 def init(backend: str = "auto") -> Dist:

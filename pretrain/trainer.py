@@ -39,9 +39,14 @@ class NonFiniteLoss(UserError):
 class Preempted(Exception):
     """Raised after the checkpoint for a SIGTERM/SIGUSR1 has been saved."""
 
+    def __init__(self, signum: int, step: int):
+        self.signum = signum
+        super().__init__(f"received {signal.Signals(signum).name}: saved step {step}")
+
 
 class StopSignal:
-    """Remembers SIGTERM/SIGUSR1; the trainer checks it between steps (all ranks agree)."""
+    """Remembers SIGTERM/SIGUSR1; the trainer checks it between steps (all ranks agree). Installed
+    first thing in `run()`, so a signal during start-up is not lost."""
 
     def __init__(self):
         self.received: int | None = None
@@ -54,7 +59,7 @@ class StopSignal:
 
 class Trainer:
     def __init__(self, cfg: Config, env: distributed.Dist, engine, loader, val_batches, ckpt: CheckpointManager,
-                 logger: MetricLogger, flops_per_token: float, precision: str):
+                 logger: MetricLogger, flops_per_token: float, precision: str, stop: StopSignal):
         self.cfg, self.env, self.engine, self.loader = cfg, env, engine, loader
         self.val_batches, self.ckpt, self.logger = val_batches, ckpt, logger
         self.flops_per_token = flops_per_token
@@ -65,7 +70,7 @@ class Trainer:
         self.skipped = 0  # micro-batches dropped for a non-finite loss (on_nonfinite=skip)
         self.saved_step = -1  # step of the newest checkpoint of this run (no second save of a step)
         self.data_iter = None  # made in fit(), after a resume has positioned the loader
-        self.stop = StopSignal()
+        self.stop = stop
         self.timers = dict.fromkeys(("data", "compute"), 0.0)
 
     # -- state that survives a restart (the data position is saved by the checkpoint manager)
@@ -179,7 +184,7 @@ class Trainer:
             signum = self._stop_requested()
             if signum:
                 self.save()
-                raise Preempted(f"received {signal.Signals(signum).name}: saved step {self.step}")
+                raise Preempted(signum, self.step)
         progress.close()
         summary = {"final_step": self.step, "first_loss": first_loss, "final_loss": last_loss}
         if self.val_batches:
@@ -233,11 +238,13 @@ def _progress(enabled: bool, initial: int, total: int):
                 file=sys.stdout, mininterval=1.0)
 
 
-def _requeue_if_slurm(env: distributed.Dist) -> None:
-    """Under slurm/pretrain.sbatch (PRETRAIN_REQUEUE=1), put the job back in the queue; the rerun
-    resumes from the checkpoint just saved."""
+def _requeue_if_slurm(env: distributed.Dist, signum: int) -> None:
+    """Under slurm/pretrain.sbatch (PRETRAIN_REQUEUE=1), SIGUSR1 (the time-limit/preemption warning
+    asked for with --signal) puts the job back in the queue; the rerun resumes from the checkpoint
+    just saved. SIGTERM (scancel, or the end of the time limit) only saves: a cancelled job stays
+    cancelled."""
     job = os.environ.get("SLURM_JOB_ID")
-    if env.is_main and job and os.environ.get("PRETRAIN_REQUEUE") == "1":
+    if env.is_main and job and signum == signal.SIGUSR1 and os.environ.get("PRETRAIN_REQUEUE") == "1":
         result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
         print(f"pretrain: scontrol requeue {job}: {'ok' if result.returncode == 0 else result.stderr.strip()}",
               flush=True)
@@ -248,11 +255,12 @@ def run(config_path: str, overrides: list[str]) -> None:
     EXIT_PREEMPTED after a signal-triggered save."""
     from pretrain.build import build_run
 
+    stop = StopSignal()
     env = distributed.init(_backend_override(overrides))
     logger: MetricLogger = MetricLogger()
     try:
         cfg = load_config(config_path, overrides, world_size=env.world_size)
-        trainer, logger = build_run(cfg, env)
+        trainer, logger = build_run(cfg, env, stop)
         summary = trainer.fit()
         if env.is_main:
             trained = (f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
@@ -264,13 +272,17 @@ def run(config_path: str, overrides: list[str]) -> None:
         if env.is_main:
             print(f"pretrain: {e}; exiting with {EXIT_PREEMPTED} (resume with checkpoint.resume=auto)",
                   flush=True)
-        _requeue_if_slurm(env)
-        logger.close()
-        distributed.shutdown()
-        sys.exit(EXIT_PREEMPTED)
+        _requeue_if_slurm(env, e.signum)
+        # No rank may exit before the requeue is done: an early exit makes srun/torchrun kill rank 0.
+        distributed.barrier()
+        preempted = True
+    else:
+        preempted = False
     finally:
         logger.close()
         distributed.shutdown()
+    if preempted:
+        sys.exit(EXIT_PREEMPTED)
 
 
 def _backend_override(overrides: list[str]) -> str:
