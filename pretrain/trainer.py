@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -165,6 +166,7 @@ class Trainer:
         window_start, window_steps = time.perf_counter(), 0
         losses = []
         while self.step < t.max_steps:
+            step_start = time.perf_counter()
             loss = self.train_step()
             losses.append(loss)
             window_steps += 1
@@ -172,7 +174,8 @@ class Trainer:
             last_loss = loss
             if env.is_main:
                 progress.update(1)
-                progress.set_postfix(loss=f"{loss:.3f}")
+                tok_s = self.tokens_per_step / (time.perf_counter() - step_start)
+                progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
             if self.step % cfg.logging.log_every == 0 or self.step == t.max_steps:
                 elapsed = time.perf_counter() - window_start
                 self._log_train(losses, window_steps, elapsed, progress)
@@ -256,6 +259,8 @@ def run(config_path: str, overrides: list[str]) -> None:
     from pretrain.build import build_run
 
     stop = StopSignal()
+    # torch.distributed warns on every ZeRO-3 reduce-scatter that DeepSpeed still calls the old name.
+    warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.*", category=FutureWarning)
     env = distributed.init(_backend_override(overrides))
     logger: MetricLogger = MetricLogger()
     try:
