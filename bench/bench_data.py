@@ -134,7 +134,7 @@ def main() -> None:
         meta = json.loads((pdir / "meta.json").read_text())
         print(f"prepare, all cores:    {meta['tokens'] / dt / 1e6:6.2f} M tokens/s  ({meta['dtype']})")
 
-        for seq_len in sorted({args.seq_len, 2048}):
+        for seq_len in sorted({256, args.seq_len, 2048}):
             pcfg = DataConfig(sources=[SourceConfig(path=str(pdir))], tokenizer=spec, seq_len=seq_len,
                               num_streams=args.num_streams, shuffle_blocks=16)
             loader = build_loader(pcfg, tok, 0, 1, args.micro_batch)

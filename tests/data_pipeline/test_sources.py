@@ -1,3 +1,6 @@
+import gzip
+import json
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -46,6 +49,15 @@ def test_local_kinds_globs_and_dirs(tmp_path):
     assert all_docs(src) == docs[:5]
     with pytest.raises(DataError, match="mixes json, parquet files"):
         resolve_source(SourceConfig(path=str(tmp_path)))
+
+
+def test_compressed_files(tmp_path):
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(3)))
+    with gzip.open(tmp_path / "b.txt.gz", "wt") as f:
+        f.write("one\n\ntwo")
+    assert all_docs(resolve_source(SourceConfig(path=str(tmp_path / "a.jsonl.gz")))) == ["doc 0", "doc 1", "doc 2"]
+    assert all_docs(resolve_source(SourceConfig(path=str(tmp_path / "b.txt.gz")))) == ["one", "two"]
 
 
 def test_text_sample_by(tmp_path):
