@@ -4,7 +4,8 @@
 ~465 KB), split into documents of a few paragraphs, written once as jsonl files into a cache dir and
 then read through the same `datasets` json path as any user file. `builtin:python-docs-bpe` is a
 4096-token byte-level BPE tokenizer trained on it, shipped in `data_pipeline/assets/`
-(rebuild with `python -m data_pipeline.builtin`).
+(rebuild with `python -m data_pipeline.builtin`). `builtin:python-docstrings` is a second corpus of
+the same kind, the stdlib modules' docstrings, used by the fine-tuning example.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from data_pipeline.errors import DataError
 
-DATASETS = ("python-docs",)
+DATASETS = ("python-docs", "python-docstrings")
 TOKENIZERS = {"python-docs-bpe": Path(__file__).parent / "assets" / "python-docs-bpe.json"}
 DOC_CHARS = 2000  # paragraphs are grouped into documents of about this many characters
 N_FILES = 4  # shards, so that shard shuffling has something to permute
@@ -45,12 +46,34 @@ def python_docs() -> list[str]:
     return docs
 
 
+def python_docstrings() -> list[str]:
+    """The documents of builtin:python-docstrings: the docstrings of the top-level stdlib modules
+    (module, class and function docstrings of one module form one document), read with `ast` from
+    the source files, never imported. Another register of English than python-docs: the fine-tuning
+    example's "new data"."""
+    import ast
+    import sysconfig
+
+    docs = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        nodes = [tree] + [n for n in ast.walk(tree)
+                          if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+        parts = [d for d in (ast.get_docstring(n) for n in nodes) if d]
+        if parts:
+            docs.append("\n\n".join(parts))
+    return docs
+
+
 def dataset_files(name: str) -> list[str]:
     """Write builtin dataset `name` as jsonl shards (once, atomically) and return their paths."""
     if name not in DATASETS:
         raise DataError(f"unknown builtin dataset 'builtin:{name}': use one of "
                         + ", ".join(f"builtin:{d}" for d in DATASETS))
-    docs = python_docs()
+    docs = python_docs() if name == "python-docs" else python_docstrings()
     lines = [json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs]
     # The directory is named by content, so a Python upgrade that changes the docs gets a new one.
     digest = hashlib.sha256("".join(lines).encode()).hexdigest()[:12]

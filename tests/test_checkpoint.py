@@ -191,7 +191,8 @@ def test_finetune_from_shards_of_another_world_size(tmp_path, straight):
     starts at the pretrained loss, not at a fresh model's, with a fresh step count and schedule."""
     fresh = run_train(BASE + ["train.max_steps=1", "train.seed=7", f"train.run_dir={tmp_path}/fresh"])
     ft = run_train(BASE + ["train.max_steps=2", f"checkpoint.init_from={straight[2]}/checkpoints",
-                           f"train.run_dir={tmp_path}/ft"])
+                           "data.sources=[{path: builtin:python-docs}]", f"train.run_dir={tmp_path}/ft"],
+                   config=REPO / "configs" / "finetune_tiny.yaml")
     assert "fine-tuning from" in ft.stdout
     got, pretrained, scratch = losses(tmp_path / "ft"), losses(straight[2]), losses(tmp_path / "fresh")
     assert sorted(got) == [1, 2]

@@ -29,6 +29,13 @@ def test_builtin_python_docs(tmp_path, monkeypatch):
         resolve_source(SourceConfig(path="builtin:nope"))
 
 
+def test_builtin_python_docstrings_is_other_text(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRETRAIN_CACHE", str(tmp_path))
+    docs = all_docs(resolve_source(SourceConfig(path="builtin:python-docstrings")))
+    assert docs == builtin.python_docstrings() and len(docs) > 50 and sum(map(len, docs)) > 300_000
+    assert not set(docs) & set(builtin.python_docs())
+
+
 def test_local_kinds_globs_and_dirs(tmp_path):
     docs = make_docs(30, seed=0)
     write_jsonl(tmp_path / "a.jsonl", docs[:10])

@@ -91,6 +91,11 @@ class SlurmCluster:
         to a fresh file under the cluster's directory (an --output in sbatch_opts is overridden).
         `timeout` (s) bounds the whole wait; on expiry the job is cancelled and the test fails.
         """
+        return self.start(script, args, env, sbatch_opts, cwd).wait(timeout)
+
+    def start(self, script: str | os.PathLike, args=(), env: dict | None = None,
+              sbatch_opts=(), cwd: str | os.PathLike = REPO) -> "Job":
+        """Like `submit`, but returns at once with a `Job` to watch, signal and `wait()` for."""
         self._submitted += 1
         out_file = self.jobs_dir / f"job-{self._submitted:03d}.out"
         # PYTHON: jobs run the interpreter (and so the packages) that runs the tests.
@@ -99,19 +104,54 @@ class SlurmCluster:
                str(script), *map(str, args)]
         proc = subprocess.Popen(cmd, env=job_env, cwd=cwd, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
+        return Job(self, proc, out_file)
+
+
+class Job:
+    """A job submitted with `sbatch --wait`, still being waited for."""
+
+    def __init__(self, cluster: SlurmCluster, proc: subprocess.Popen, out_file: Path):
+        self.cluster, self.proc, self.out_file = cluster, proc, out_file
+        # --parsable prints the job id as soon as the job is queued, then sbatch waits.
+        self.first_line = proc.stdout.readline()
+        self.job_id = _job_id(self.first_line)
+
+    def output(self) -> str:
+        """The job's output file so far."""
+        return self.out_file.read_text(errors="replace") if self.out_file.exists() else ""
+
+    def info(self) -> dict[str, str]:
+        """`scontrol show job` as a dict (JobState, Restarts, ExitCode, ...); {} once purged."""
+        r = self.cluster.run("scontrol", "show", "job", "--oneliner", str(self.job_id), check=False)
+        return dict(f.split("=", 1) for f in r.stdout.split() if "=" in f) if r.returncode == 0 else {}
+
+    def wait_for(self, cond, timeout: float, what: str) -> None:
+        """Poll `cond()` until true; fail the test (cancelling the job) when the job ends first or
+        `timeout` (s) passes."""
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if self.proc.poll() is not None:
+                pytest.fail(f"job {self.job_id} ended before {what}; output:\n{self.output()}")
+            if time.monotonic() > deadline:
+                self.cancel()
+                pytest.fail(f"no {what} after {timeout:.0f} s; output:\n{self.output()}")
+            time.sleep(0.2)
+
+    def cancel(self) -> None:
+        if self.job_id is not None:
+            self.cluster.run("scancel", str(self.job_id), check=False)
+
+    def wait(self, timeout: float = 180) -> JobResult:
+        """Wait for `sbatch --wait` to return; on timeout cancel the job and fail the test."""
         try:
-            sbatch_output, _ = proc.communicate(timeout=timeout)
+            rest, _ = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            sbatch_output, _ = proc.communicate()
-            job_id = _job_id(sbatch_output)
-            if job_id is not None:
-                self.run("scancel", str(job_id), check=False)
-            text = out_file.read_text(errors="replace") if out_file.exists() else ""
-            pytest.fail(f"job {job_id} still running after {timeout:.0f} s; output:\n{text}")
-        return JobResult(job_id=_job_id(sbatch_output), returncode=proc.returncode,
-                         output=out_file.read_text(errors="replace") if out_file.exists() else "",
-                         sbatch_output=sbatch_output)
+            self.proc.kill()
+            self.proc.communicate()
+            self.cancel()
+            pytest.fail(f"job {self.job_id} still running after {timeout:.0f} s; output:\n{self.output()}")
+        return JobResult(job_id=self.job_id, returncode=self.proc.returncode, output=self.output(),
+                         sbatch_output=self.first_line + rest)
 
 
 def _job_id(sbatch_output: str) -> int | None:
