@@ -68,11 +68,24 @@ class Trainer:
         self.tokens_per_step = cfg.global_batch(env.world_size) * cfg.data.seq_len
         self.peak = peak_flops(env.device, precision, cfg.distributed.peak_flops)
         self.step = 0  # optimizer steps done
-        self.skipped = 0  # micro-batches dropped for a non-finite loss (on_nonfinite=skip)
+        self.skipped = 0  # optimizer steps dropped for a non-finite loss (on_nonfinite=skip)
+        self.skip_update = False  # set by train_step when this step's update must be dropped
+        inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # torch AdamW inside ZeRO
+        inner.step = self._skippable(inner.step)
         self.saved_step = -1  # step of the newest checkpoint of this run (no second save of a step)
         self.data_iter = None  # made in fit(), after a resume has positioned the loader
         self.stop = stop
         self.timers = dict.fromkeys(("data", "compute"), 0.0)
+
+    def _skippable(self, step):
+        """DeepSpeed has no "skip this update" outside fp16 loss scaling, so the inner optimizer's
+        step is wrapped: with on_nonfinite=skip, a step whose loss was not finite leaves weights and
+        Adam moments untouched (DeepSpeed clears the gradients as usual; the LR schedule advances)."""
+        def maybe_step(*args, **kwargs):
+            if self.skip_update:
+                return None
+            return step(*args, **kwargs)
+        return maybe_step
 
     # -- state that survives a restart (the data position is saved by the checkpoint manager)
     def state_dict(self) -> dict:
@@ -96,14 +109,14 @@ class Trainer:
     def train_step(self) -> float:
         """One optimizer step over `accum` micro-batches; returns the global mean loss."""
         total = torch.zeros((), device=self.env.device)
-        used = 0
+        self.skip_update = False
         for _ in range(self.accum):
             inputs, labels = self._next_batch()
             t0 = time.perf_counter()
             logits = self.engine(inputs)  # (B, T, V)
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-            # One all-reduce gives both the global loss and an agreement on finiteness: every rank
-            # must take the same branch, since ZeRO's backward is collective.
+            # One all-reduce gives both the global loss and an agreement on finiteness, so every
+            # rank takes the same branch.
             global_loss = loss.detach().clone()
             dist.all_reduce(global_loss)
             global_loss /= self.env.world_size
@@ -113,18 +126,16 @@ class Trainer:
                         f"loss is {global_loss.item()} at step {self.step + 1}: stopped before the update, "
                         f"so the weights and the last checkpoint are intact; lower optimizer.lr or set "
                         f"train.on_nonfinite=skip, then resume with checkpoint.resume=auto")
-                # Every rank skips this backward (they agree: the loss was all-reduced), so the
-                # micro-batch adds no gradient; step() still counts it toward the accumulation.
-                self.skipped += 1
-                del loss, logits
-            else:
-                total += global_loss
-                used += 1
-                self.engine.backward(loss)
+                self.skip_update = True
+            total += global_loss
+            # Backward runs even for a bad micro-batch: ZeRO's backward and step are collective
+            # and expect gradients; the update itself is dropped by _skippable (see __init__).
+            self.engine.backward(loss)
             self.engine.step()
             self.timers["compute"] += time.perf_counter() - t0
         self.step += 1
-        return (total / max(used, 1)).item() if used else float("nan")
+        self.skipped += self.skip_update
+        return (total / self.accum).item()
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -207,7 +218,7 @@ class Trainer:
             "train/loss": sum(losses) / len(losses),
             "train/lr": self.engine.get_lr()[0],
             "train/grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
-            "train/skipped_microbatches": self.skipped,
+            "train/skipped_steps": self.skipped,
             "perf/step_time_s": elapsed / steps,
             "perf/tokens_per_s": tokens_per_s,
             "perf/tokens_per_s_per_device": per_device,

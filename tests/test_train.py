@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from helpers import losses, read_metrics, run_train, shared_file, wandb_history, read_wandb_records
 
@@ -86,6 +87,22 @@ def test_nonfinite_loss_stops_before_corrupting(tmp_path):
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "stopped before the update" in proc.stderr
     assert not list((tmp_path / "checkpoints").glob("step_*"))
+
+
+def test_nonfinite_loss_skip_leaves_weights_untouched(tmp_path):
+    """lr=1e30 makes step 1's update blow the weights up, so every later loss is NaN: with skip,
+    the run goes on, and none of those steps changes a weight."""
+    from pretrain.checkpoint import consolidated_state_dict
+
+    run_train(SMALL + ["optimizer.lr=1e30", "schedule.warmup_steps=0", "train.max_steps=4",
+                       "train.on_nonfinite=skip", "checkpoint.every=1", "checkpoint.keep_last=10",
+                       f"train.run_dir={tmp_path}"])
+    records = [r for r in read_metrics(tmp_path) if "train/loss" in r]
+    assert [r["train/skipped_steps"] for r in records] == [0, 1, 2, 3]
+    after_1 = consolidated_state_dict(tmp_path / "checkpoints" / "step_00000001")
+    after_4 = consolidated_state_dict(tmp_path / "checkpoints" / "step_00000004")
+    assert all(torch.equal(after_1[k], after_4[k]) for k in after_1)
+    assert all(torch.isfinite(v).all() for v in after_4.values())
 
 
 def test_wandb_offline_run_logs_scaling_law_fields(tmp_path):
