@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -33,7 +34,9 @@ def free_port() -> int:
 def train_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", WANDB_SILENT="true", TOKENIZERS_PARALLELISM="false",
-               PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu")
+               PYTHONWARNINGS="ignore")
+    if not torch.cuda.is_available():
+        env["DS_ACCELERATOR"] = "cpu"
     env.pop("WANDB_API_KEY", None)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)

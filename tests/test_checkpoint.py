@@ -198,3 +198,13 @@ def test_finetune_from_shards_of_another_world_size(tmp_path, straight):
     assert sorted(got) == [1, 2]
     assert got[1] < scratch[1] - 0.5
     assert got[1] == pytest.approx(pretrained[8], abs=0.5)
+
+
+def test_resume_continues_the_same_wandb_run(tmp_path):
+    run_train(BASE + ["train.max_steps=2", "logging.wandb=offline", f"train.run_dir={tmp_path}"])
+    run_train(BASE + ["train.max_steps=4", "logging.wandb=offline", "checkpoint.resume=auto",
+                      f"train.run_dir={tmp_path}"])
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and len({r.name.rsplit("-", 1)[1] for r in runs}) == 1  # one run id
+    meta = json.loads((tmp_path / "checkpoints" / "step_00000004" / "meta.json").read_text())
+    assert runs[0].name.endswith(meta["wandb_run_id"])
