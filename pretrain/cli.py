@@ -52,6 +52,8 @@ def _generate(args) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain", description="Pretrain GPT-style language models.")
+    # The `deepspeed` launcher inserts --local_rank=N before the subcommand; LOCAL_RANK says the same.
+    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def with_config(sp):

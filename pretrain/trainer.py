@@ -11,6 +11,7 @@ checkpoint.resume=auto).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -81,6 +82,7 @@ class Trainer:
         """DeepSpeed has no "skip this update" outside fp16 loss scaling, so the inner optimizer's
         step is wrapped: with on_nonfinite=skip, a step whose loss was not finite leaves weights and
         Adam moments untouched (DeepSpeed clears the gradients as usual; the LR schedule advances)."""
+        @functools.wraps(step)  # keeps the marks torch's LR scheduler put on it
         def maybe_step(*args, **kwargs):
             if self.skip_update:
                 return None

@@ -57,6 +57,9 @@ def run_train(overrides: list[str], nproc: int = 1, config: Path = TINY, launche
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(REPO / "launch" / "accelerate_cpu_2proc.yaml"), "--num_processes", str(nproc),
                "--main_process_port", str(free_port()), "-m", "pretrain", *args]
+    elif launcher == "deepspeed":
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port",
+               str(free_port()), "--module", "pretrain", *args]
     else:
         raise ValueError(launcher)
     proc = subprocess.run(cmd, cwd=REPO, env=train_env(env), capture_output=True, text=True, timeout=timeout)

@@ -45,10 +45,12 @@ def test_two_processes_match_one_process(tmp_path):
     assert "world size 2" in proc.stdout
 
 
-def test_accelerate_launch_forms_one_group_of_two(tmp_path):
-    """accelerate launch on CPU must not start two processes that each think they are rank 0."""
-    acc, tr = tmp_path / "acc", tmp_path / "torchrun"
-    proc = run_train(SMALL + ["train.max_steps=3", f"train.run_dir={acc}"], nproc=2, launcher="accelerate")
+@pytest.mark.parametrize("launcher", ["accelerate", "deepspeed"])
+def test_launcher_forms_one_group_of_two(tmp_path, launcher):
+    """accelerate launch on CPU must not start two processes that each think they are rank 0; the
+    deepspeed launcher's extra --local_rank argument must be accepted."""
+    acc, tr = tmp_path / launcher, tmp_path / "torchrun"
+    proc = run_train(SMALL + ["train.max_steps=3", f"train.run_dir={acc}"], nproc=2, launcher=launcher)
     run_train(SMALL + ["train.max_steps=3", f"train.run_dir={tr}"], nproc=2)
     assert "world size 2" in proc.stdout
     ckpt = acc / "checkpoints" / "step_00000003"
