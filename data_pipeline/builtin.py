@@ -21,6 +21,7 @@ DATASETS = ("python-docs", "python-docstrings")
 TOKENIZERS = {"python-docs-bpe": Path(__file__).parent / "assets" / "python-docs-bpe.json"}
 DOC_CHARS = 2000  # paragraphs are grouped into documents of about this many characters
 N_FILES = 4  # shards, so that shard shuffling has something to permute
+VALIDATION_EVERY = 10  # every 10th document forms the held-out validation split
 
 
 def cache_dir() -> Path:
@@ -68,16 +69,26 @@ def python_docstrings() -> list[str]:
     return docs
 
 
-def dataset_files(name: str) -> list[str]:
-    """Write builtin dataset `name` as jsonl shards (once, atomically) and return their paths."""
+def split_docs(docs: list[str], split: str) -> list[str]:
+    """Every VALIDATION_EVERY-th distinct document is held out as the "validation" split; "train" is
+    the rest. Duplicates (some help topics share text) are dropped first, so nothing leaks."""
+    if split not in ("train", "validation"):
+        raise DataError(f"builtin datasets have the splits train and validation, not {split!r}")
+    held_out = split == "validation"
+    return [d for i, d in enumerate(dict.fromkeys(docs)) if (i % VALIDATION_EVERY == 0) == held_out]
+
+
+def dataset_files(name: str, split: str = "train") -> list[str]:
+    """Write split `split` of builtin dataset `name` as jsonl shards (once, atomically) and return
+    their paths."""
     if name not in DATASETS:
         raise DataError(f"unknown builtin dataset 'builtin:{name}': use one of "
                         + ", ".join(f"builtin:{d}" for d in DATASETS))
-    docs = python_docs() if name == "python-docs" else python_docstrings()
+    docs = split_docs(python_docs() if name == "python-docs" else python_docstrings(), split)
     lines = [json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs]
     # The directory is named by content, so a Python upgrade that changes the docs gets a new one.
     digest = hashlib.sha256("".join(lines).encode()).hexdigest()[:12]
-    out = cache_dir() / f"{name}-{digest}"
+    out = cache_dir() / f"{name}-{split}-{digest}"
     paths = [out / f"part-{k:05d}.jsonl" for k in range(N_FILES)]
     if all(p.exists() for p in paths):
         return [str(p) for p in paths]

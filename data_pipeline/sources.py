@@ -297,7 +297,7 @@ def resolve_source(cfg: SourceConfig) -> TextSource | PreparedSource:
     if not path:
         raise DataError("a data source has no path: set path to a local file, hub dataset or builtin:NAME")
     if path.startswith("builtin:") or kind == "builtin":
-        files = builtin.dataset_files(path.removeprefix("builtin:"))
+        files = builtin.dataset_files(path.removeprefix("builtin:"), cfg.split)
         cfg = SourceConfig(**{**cfg.__dict__, "text_field": "text"})
         src = TextSource(cfg, "json", files)
         src.check()

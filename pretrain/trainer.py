@@ -194,7 +194,7 @@ class Trainer:
                 self._log_train(losses, window_steps, elapsed, progress)
                 losses, window_start, window_steps = [], time.perf_counter(), 0
             if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
-                self.logger.log({**self.evaluate(), **self._axes()}, self.step)
+                self._log_eval(self.evaluate(), progress)
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < t.max_steps:
                 self.save()
             signum = self._stop_requested()
@@ -205,10 +205,16 @@ class Trainer:
         summary = {"final_step": self.step, "first_loss": first_loss, "final_loss": last_loss}
         if self.val_batches:
             summary.update(self.evaluate())
-            self.logger.log({**{k: summary[k] for k in ("eval/loss", "eval/perplexity")}, **self._axes()},
-                            self.step)
+            self._log_eval(summary, _NoProgress())
         self.save()
         return summary
+
+    def _log_eval(self, result: dict, progress) -> None:
+        if self.env.is_main:
+            record = {k: result[k] for k in ("eval/loss", "eval/perplexity")}
+            self.logger.log({**record, **self._axes()}, self.step)
+            progress.write(f"step {self.step:>6} | eval loss {record['eval/loss']:.4f} | "
+                           f"perplexity {record['eval/perplexity']:.2f}")
 
     def _axes(self) -> dict:
         return {"tokens_seen": self.tokens_seen, "flops": self.tokens_seen * self.flops_per_token}
@@ -239,10 +245,14 @@ class Trainer:
 
 
 class _NoProgress:
+    """No bar (logging.progress=false, batch logs), but the log lines still print."""
+
     def update(self, n): pass
     def set_postfix(self, **kw): pass
     def close(self): pass
-    def write(self, s): pass
+
+    def write(self, s):
+        print(s, flush=True)
 
 
 def _progress(enabled: bool, initial: int, total: int):
@@ -272,8 +282,8 @@ def run(config_path: str, overrides: list[str]) -> None:
     from pretrain.build import build_run
 
     stop = StopSignal()
-    # torch.distributed warns on every ZeRO-3 reduce-scatter that DeepSpeed still calls the old name.
-    warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.*", category=FutureWarning)
+    # torch.distributed warns at every ZeRO-3 collective that DeepSpeed still calls by its old name.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     env = distributed.init(_backend_override(overrides))
     logger: MetricLogger = MetricLogger()
     try:

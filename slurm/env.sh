@@ -1,6 +1,6 @@
 # Settings shared by the Slurm launch scripts (pretrain.sbatch, and the scaling-law sweep).
 # Source it from a batch script, inside the allocation. It reads the job's SLURM_* variables and sets
-#   PYTHON PRETRAIN_MODULE NNODES GPUS_PER_NODE NPROC_PER_NODE HEAD_NODE RDZV_PORT RDZV_ID
+#   PYTHON NNODES GPUS_PER_NODE NPROC_PER_NODE HEAD_NODE RDZV_PORT RDZV_ID
 # and exports the library settings below. Anything already in the environment wins, and sbatch
 # exports the submitting shell's environment, so `GPUS_PER_NODE=4 sbatch ...` overrides a value.
 # Outside Slurm (a local dry run) it falls back to one node: this machine.
@@ -8,7 +8,6 @@
 
 # --- Program -----------------------------------------------------------------------------------
 PYTHON=${PYTHON:-python}                     # interpreter with `pretrain` installed (e.g. a venv's)
-PRETRAIN_MODULE=${PRETRAIN_MODULE:-pretrain} # test hook only: tests/slurm swap in a fake trainer
 
 # --- Process layout ----------------------------------------------------------------------------
 NNODES=${SLURM_NNODES:-1}
@@ -44,8 +43,9 @@ RDZV_PORT=${RDZV_PORT:-$(( 15000 + ${SLURM_JOB_ID:-0} % 15000 ))}
 if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
     export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
 fi
-# After a signal-triggered checkpoint (--signal=USR1@120, or SIGTERM), rank 0 runs
-# `scontrol requeue $SLURM_JOB_ID`: the job goes back to the queue and resumes. 0 = just stop.
+# After the checkpoint for SIGUSR1 (the time-limit warning of --signal=USR1@120, or
+# `scancel --signal=USR1`), rank 0 runs `scontrol requeue $SLURM_JOB_ID`: the job goes back to the
+# queue and the rerun resumes. 0 = save and stop. (SIGTERM - scancel, the limit itself - never requeues.)
 export PRETRAIN_REQUEUE=${PRETRAIN_REQUEUE:-1}
 
 # --- Libraries ---------------------------------------------------------------------------------

@@ -43,6 +43,10 @@ def test_two_processes_match_one_process(tmp_path):
         assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), (step, a[step], b[step])
     assert a[6] < a[1]
     assert "world size 2" in proc.stdout
+    # The held-out batches are the same set at any world size: the same validation loss.
+    [eval_one] = [r["eval/loss"] for r in read_metrics(one) if "eval/loss" in r]
+    [eval_two] = [r["eval/loss"] for r in read_metrics(two) if "eval/loss" in r]
+    assert eval_two == pytest.approx(eval_one, rel=1e-5) and eval_one < 8.0
 
 
 @pytest.mark.parametrize("launcher", ["accelerate", "deepspeed"])

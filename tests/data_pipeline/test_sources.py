@@ -21,8 +21,11 @@ def test_builtin_python_docs(tmp_path, monkeypatch):
     src = resolve_source(SourceConfig(path="builtin:python-docs"))
     docs = all_docs(src)
     assert src.kind == "json" and src.n_shards == builtin.N_FILES
-    assert docs == builtin.python_docs() and len(docs) > 200
-    assert sum(map(len, docs)) > 400_000 and "assert" in docs[0]
+    assert docs == builtin.split_docs(builtin.python_docs(), "train") and len(docs) > 200
+    assert sum(map(len, docs)) > 400_000 and any("assert" in d for d in docs)
+    held_out = all_docs(resolve_source(SourceConfig(path="builtin:python-docs", split="validation")))
+    assert held_out and not set(held_out) & set(docs)
+    assert sorted(held_out + docs) == sorted(set(builtin.python_docs()))
     assert all(f.startswith(str(tmp_path)) for f in src.files)
     assert resolve_source(SourceConfig(path="builtin:python-docs")).fingerprint == src.fingerprint
     with pytest.raises(DataError, match="unknown builtin dataset 'builtin:nope'"):
@@ -32,7 +35,8 @@ def test_builtin_python_docs(tmp_path, monkeypatch):
 def test_builtin_python_docstrings_is_other_text(tmp_path, monkeypatch):
     monkeypatch.setenv("PRETRAIN_CACHE", str(tmp_path))
     docs = all_docs(resolve_source(SourceConfig(path="builtin:python-docstrings")))
-    assert docs == builtin.python_docstrings() and len(docs) > 50 and sum(map(len, docs)) > 300_000
+    assert docs == builtin.split_docs(builtin.python_docstrings(), "train")
+    assert len(docs) > 50 and sum(map(len, docs)) > 300_000
     assert not set(docs) & set(builtin.python_docs())
 
 

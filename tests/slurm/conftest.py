@@ -22,6 +22,10 @@ where they fail.
     def test_x(slurm_cluster):
         r = slurm_cluster.submit("slurm/pretrain.sbatch", ["configs/tiny.yaml"], env={"GPUS_PER_NODE": "0"})
         assert r.returncode == 0, r.output
+
+`submit` waits for the job (`sbatch --wait`); `start` returns a `Job` at once, to act on the job while
+it runs (`job.info()` is `scontrol show job`, `job.wait_for(cond, timeout, what)` polls, `job.wait()`
+returns the same `JobResult` as `submit`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+# The tests here share tests/helpers.py (metrics and W&B readers) with the tests one level up.
+if str(REPO / "tests") not in sys.path:
+    sys.path.insert(0, str(REPO / "tests"))
 INSTALL_SCRIPT = REPO / ".ci" / "install_slurm.sh"
 NODES = ("node1", "node2")
 CONTROLLER = "slurmctl"

@@ -1,55 +1,97 @@
-"""slurm/pretrain.sbatch on a real 2-node Slurm cluster (tests/slurm/conftest.py).
+"""slurm/pretrain.sbatch running the real trainer on a real 2-node Slurm cluster (conftest.py).
 
-Training runs are the stand-in trainer tests/slurm/fake_train.py (PRETRAIN_MODULE=fake_train), which
-keeps the real trainer's contract: gloo process group from torchrun, USR1 -> checkpoint -> requeue ->
-exit 75, resume with checkpoint.resume=auto. Config checks and dry runs use the real `pretrain`.
+Every job is `sbatch slurm/pretrain.sbatch configs/tiny.yaml ...` with GPUS_PER_NODE=0: one torchrun
+agent and one training process per node, gloo. Checked: both nodes train one model; the time-limit
+signal checkpoints, requeues and resumes into one loss curve and one W&B run; failures before and
+after the launch fail the job; scancel saves and stops; a dry run starts nothing.
 """
 
-import os
+import json
 import re
+import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import yaml
+
+from helpers import losses, read_metrics, wandb_history
 
 pytestmark = pytest.mark.slow
 
-HERE = Path(__file__).resolve().parent
 SCRIPT = "slurm/pretrain.sbatch"
 CONFIG = "configs/tiny.yaml"
 # The test nodes have 2 CPUs and no GPUs: override the script's GPU-node defaults.
 CPU_JOB = ["--gpus-per-node=0", "--cpus-per-task=1"]
+CPU_ENV = {"GPUS_PER_NODE": "0"}
+# A global batch of 4 sequences of 32 tokens: ~0.1-0.2 s a step with two ranks on this machine.
+SEQ, BATCH = 32, 4
+FAST = [f"data.seq_len={SEQ}", "train.micro_batch_size=2", f"train.global_batch_size={BATCH}",
+        "logging.log_every=1", "logging.progress=false"]
 
 
-def fake_trainer(**env: str) -> dict[str, str]:
-    """Environment that makes the script launch fake_train instead of pretrain, one process per node."""
-    pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
-    return {"PRETRAIN_MODULE": "fake_train", "PYTHONPATH": pythonpath, "GPUS_PER_NODE": "0", **env}
-
-
-def rank_lines(output: str) -> list[dict[str, str]]:
-    """The `rank=0 world_size=2 ... host=node1 ...` lines fake_train prints after joining the group."""
-    return [dict(kv.split("=", 1) for kv in m.group(1).split())
-            for m in re.finditer(r"^fake_train: (rank=\d+ world_size=.*)$", output, re.M)]
+def tail(text: str, n: int = 6000) -> str:
+    """The end of a job log, for assertion messages (a full log has a line per step)."""
+    return text if len(text) <= n else "...\n" + text[-n:]
 
 
 def launch_line(output: str) -> str:
     lines = [line for line in output.splitlines() if line.startswith("launch: srun ")]
-    assert lines, output
+    assert lines, tail(output)
     return lines[0]
 
 
-def test_two_nodes_form_one_world(slurm_cluster, tmp_path):
-    r = slurm_cluster.submit(SCRIPT, [CONFIG, f"fake.run_dir={tmp_path}", "fake.steps=3"],
-                             env=fake_trainer(), sbatch_opts=CPU_JOB)
-    assert r.returncode == 0, r.output
-    ranks = rank_lines(r.output)
-    assert sorted(int(x["rank"]) for x in ranks) == [0, 1], r.output
-    assert {x["world_size"] for x in ranks} == {"2"}
-    assert {x["allreduce"] for x in ranks} == {"3"}  # 1 + 2: both ranks in one group
-    assert {x["host"] for x in ranks} == {"node1", "node2"}  # one process per node
-    assert {x["restart"] for x in ranks} == {"0"}
-    assert "fake_train: finished at step 3" in r.output
+def train_steps(run_dir: Path) -> list[int]:
+    """Steps of the training records in metrics.jsonl, in file order (repeats kept)."""
+    return [r["step"] for r in read_metrics(run_dir) if "train/loss" in r]
+
+
+def checkpoint(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+def final_state(job, timeout: float = 30) -> str:
+    """The job's state once every process has ended: `sbatch --wait` already returns while the
+    job is COMPLETING (processes still saving). '' if Slurm purged it before we looked."""
+    deadline, state = time.monotonic() + timeout, ""
+    while time.monotonic() < deadline:
+        state = job.info().get("JobState", state)
+        if state not in ("", "COMPLETING", "RUNNING", "PENDING", "REQUEUED"):
+            return state
+        time.sleep(0.2)
+    return state
+
+
+# ----------------------------------------------------------------------------- one job, two nodes
+
+PLAIN_STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def plain_job(slurm_cluster, tmp_path_factory):
+    """A plain 2-node training job; its step time sizes the requeue test's run."""
+    run_dir = tmp_path_factory.mktemp("plain")
+    r = slurm_cluster.submit(SCRIPT, [CONFIG, *FAST, f"train.max_steps={PLAIN_STEPS}",
+                                      "logging.wandb=disabled", f"train.run_dir={run_dir}"],
+                             env=CPU_ENV, sbatch_opts=CPU_JOB, timeout=150)
+    return SimpleNamespace(result=r, run_dir=run_dir)
+
+
+def test_two_nodes_train_one_model(plain_job):
+    r, run_dir = plain_job.result, plain_job.run_dir
+    assert r.returncode == 0, tail(r.output)
+    # One process per node, one process group: rank 0 reports a world of 2, once.
+    assert len(re.findall(r"^model: .* \| world size 2 \|", r.output, re.M)) == 1, tail(r.output)
+    assert re.search(rf"^done: {PLAIN_STEPS} steps, loss [\d.]+ -> [\d.]+, run dir {run_dir}$", r.output, re.M)
+    # One loss curve: every step logged once, by one rank, into one file.
+    assert train_steps(run_dir) == list(range(1, PLAIN_STEPS + 1))
+    ckpt = checkpoint(run_dir, PLAIN_STEPS)
+    assert json.loads((ckpt / "meta.json").read_text())["world_size"] == 2
+    # One ZeRO shard per rank: ranks 0 and 1 saved into the same checkpoint.
+    assert sorted(p.name for p in ckpt.glob("zero_pp_rank_*_optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert json.loads((ckpt / "data_state.json").read_text())["consumed"] == PLAIN_STEPS * BATCH
 
     line = launch_line(r.output)
     # Rendezvous on the first node, on a port of this job's own.
@@ -57,67 +99,172 @@ def test_two_nodes_form_one_world(slurm_cluster, tmp_path):
     assert f"--rdzv-endpoint=node1:{port} --rdzv-id={r.job_id}" in line
     assert "--nnodes=2 --nproc-per-node=1" in line
     # A rerun resumes; the user's overrides come after, so they can still say otherwise.
-    assert line.endswith(f"train {CONFIG} checkpoint.resume=auto fake.run_dir={tmp_path} fake.steps=3")
+    assert line.endswith(f"-m pretrain train {CONFIG} checkpoint.resume=auto {' '.join(FAST)} "
+                         f"train.max_steps={PLAIN_STEPS} logging.wandb=disabled train.run_dir={run_dir}")
 
 
-def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
-    # Slurm checks time limits periodically, so USR1@N comes within about 30 s either side of N s
-    # before the limit (measured: 23-41 s before a 1:30 limit with @40): 20-70 s into the first run,
-    # after fake_train has installed its handler; the rerun finishes (10-15 s) before its own window.
+# ------------------------------------------------------------------ time limit -> requeue -> resume
+
+# Slurm keeps time limits in whole minutes (--time=00:01:30 means 2:00) and checks them every 30 s,
+# sending --signal=USR1@N at the first check less than N + 30 s before the end: with --time=1 and
+# @10, 20-50 s into the run (measured). 20 s leaves the trainer time to install its handler
+# (~10 s in; before that the signal would be ignored).
+TIME_LIMIT = ["--time=1", "--signal=USR1@10"]
+# Training seconds the first run is given, at the plain job's step time: it must outlast the
+# signal (at most ~36 s of training) even if the machine gets faster meanwhile.
+FIRST_RUN_SECONDS = 60
+
+
+@pytest.fixture(scope="module")
+def requeued(slurm_cluster, plain_job, tmp_path_factory):
+    """A job with a 1-minute limit, run once; the requeue tests below read what it left."""
+    times = [r["perf/step_time_s"] for r in read_metrics(plain_job.run_dir)
+             if "perf/step_time_s" in r and r["step"] > 2]
+    if not times:
+        pytest.fail("the plain 2-node job did not train; see test_two_nodes_train_one_model")
+    max_steps = max(150, round(FIRST_RUN_SECONDS / statistics.median(times)))
+    run_dir = tmp_path_factory.mktemp("requeue")
     start = time.monotonic()
-    r = slurm_cluster.submit(
-        SCRIPT, [CONFIG, f"fake.run_dir={tmp_path}", "fake.steps=1000000", "fake.steps_after_resume=5"],
-        env=fake_trainer(), sbatch_opts=[*CPU_JOB, "--time=00:01:30", "--signal=USR1@40"],
-        timeout=180)
-    elapsed = time.monotonic() - start
+    job = slurm_cluster.start(SCRIPT, [CONFIG, *FAST, f"train.max_steps={max_steps}", "logging.wandb=offline",
+                                       f"train.run_dir={run_dir}"],
+                              env=CPU_ENV, sbatch_opts=[*CPU_JOB, *TIME_LIMIT])
+    job.wait_for(lambda: job.info().get("Restarts") == "1", 150,
+                 f"requeue (did all {max_steps} steps finish before the signal? then raise FIRST_RUN_SECONDS)")
+    requeued_after = time.monotonic() - start
+    # The rerun gets the same 1-minute limit, so it would be signalled and requeued again before
+    # it could finish; give it room, so that the job has exactly one requeue.
+    deadline = time.monotonic() + 10
+    while slurm_cluster.run("scontrol", "update", f"JobId={job.job_id}", "TimeLimit=10",
+                            check=False).returncode != 0:
+        assert time.monotonic() < deadline, "scontrol update TimeLimit failed"
+        time.sleep(0.5)
+    result = job.wait(timeout=300)
+    print(f"requeue job: {max_steps} steps, requeued after {requeued_after:.0f} s, "
+          f"done after {time.monotonic() - start:.0f} s")
+    return SimpleNamespace(result=result, run_dir=run_dir, max_steps=max_steps)
+
+
+def test_time_limit_signal_checkpoints_requeues_and_resumes(requeued):
+    r, run_dir, max_steps = requeued.result, requeued.run_dir, requeued.max_steps
     out = r.output
-    assert r.returncode == 0, out
+    assert r.returncode == 0, tail(out)
 
-    # Both runs in one log (--open-mode=append): the first, then exactly one requeued rerun.
-    assert len(re.findall(rf"^job {r.job_id} \(restart 0\)", out, re.M)) == 1, out
-    assert len(re.findall(rf"^job {r.job_id} \(restart 1\)", out, re.M)) == 1, out
-    # Every rank got the signal's news, finished its step and saved the same step; the torchrun
-    # agents survived USR1 (else srun would report exit code 138 and no rank would save).
-    saved = re.findall(r"^fake_train: rank=(\d) signal=10 saved step (\d+)", out, re.M)  # 10: USR1
-    assert sorted(rank for rank, _ in saved) == ["0", "1"], out
-    step = int(saved[0][1])
-    assert {int(s) for _, s in saved} == {step}
-    assert f"fake_train: requeued job {r.job_id}" in out
-    assert "DUE TO JOB REQUEUE" in out and "DUE TO TIME LIMIT" not in out, out
-    # The rerun continued from the checkpoint (checkpoint.resume=auto) and finished.
-    assert sorted(re.findall(rf"^fake_train: rank=(\d) resumed from step {step}$", out, re.M)) == ["0", "1"]
-    assert f"fake_train: finished at step {step + 5}" in out
-    assert {x["restart"] for x in rank_lines(out)} == {"0", "1"}
-    assert (tmp_path / "ckpt-rank0.txt").read_text() == str(step)
-    print(f"USR1 at step {step}; job done in {elapsed:.0f} s")
+    # Both runs in one log (--open-mode=append): the first, then exactly one rerun, which Slurm
+    # started with SLURM_RESTART_COUNT=1.
+    assert len(re.findall(rf"^job {r.job_id} \(restart 0\)", out, re.M)) == 1, tail(out)
+    assert len(re.findall(rf"^job {r.job_id} \(restart 1\)", out, re.M)) == 1, tail(out)
+    # The first run got USR1 (the torchrun agents survived it: else no rank would have saved),
+    # saved, and rank 0 requeued the job; Slurm then ended the run for the requeue, not the limit.
+    saved = re.findall(r"^pretrain: received SIGUSR1: saved step (\d+); exiting with 75", out, re.M)
+    assert len(saved) == 1, tail(out)
+    step = int(saved[0])
+    assert 0 < step < max_steps
+    # (Not "...: ok": the requeue SIGTERMs the whole step, scontrol too, often before it exits.)
+    assert re.search(rf"^pretrain: scontrol requeue {r.job_id}:", out, re.M), tail(out)
+    assert "DUE TO JOB REQUEUE" in out and "DUE TO TIME LIMIT" not in out, tail(out)
+    # The rerun continued from that checkpoint (checkpoint.resume=auto) and finished the run.
+    assert re.search(rf"^resumed from {checkpoint(run_dir, step)} at step {step}$", out, re.M), tail(out)
+    assert re.search(rf"^done: {max_steps} steps, ", out, re.M), tail(out)
+    assert len(re.findall(r"^model: .* \| world size 2 \|", out, re.M)) == 2
+
+    # One continuous loss curve: every step once (the rerun starts right after the saved step),
+    # the LR schedule and token count carry on where they were, and no sequence was skipped or
+    # seen twice.
+    assert train_steps(run_dir) == list(range(1, max_steps + 1))
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    from pretrain.schedule import lr_at
+
+    s, peak = cfg["schedule"], cfg["optimizer"]["lr"]
+    decay = s["decay_steps"] or max(1, max_steps - s["warmup_steps"])
+    for rec in (r for r in read_metrics(run_dir) if "train/loss" in r):
+        assert rec["train/lr"] == pytest.approx(lr_at(rec["step"], peak, s["warmup_steps"], decay, s["min_lr"]))
+        assert rec["tokens_seen"] == rec["step"] * BATCH * SEQ
+    final = checkpoint(run_dir, max_steps)
+    assert json.loads((final / "data_state.json").read_text())["consumed"] == max_steps * BATCH
+    # The weights came back too: right after the resume the loss is where training had brought it,
+    # not back at a fresh model's (~8.3 at step 1; ~6.5-7 after 15 steps).
+    loss = losses(run_dir)
+    if step >= 15:
+        assert max(loss[step + 1], loss[step + 2]) < loss[1] - 0.5, (loss[1], step, loss[step + 1])
+
+    # One W&B run: the rerun continued the first run's id (saved in the checkpoint).
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2, runs
+    run_id = json.loads((final / "meta.json").read_text())["wandb_run_id"]
+    assert run_id and all(p.name.endswith(f"-{run_id}") for p in runs), (run_id, runs)
 
 
-def test_failing_training_fails_the_job(slurm_cluster, tmp_path):
-    # Rank 1 exits 3 right after joining; rank 0 would wait in its next all-reduce. srun's
-    # --kill-on-bad-exit ends the step instead of letting the job hang until a collective timeout.
-    start = time.monotonic()
-    r = slurm_cluster.submit(SCRIPT, [CONFIG, f"fake.run_dir={tmp_path}", "fake.steps=1000000",
-                                      "fake.fail_rank=1"],
-                             env=fake_trainer(), sbatch_opts=CPU_JOB, timeout=90)
-    assert r.returncode != 0, r.output
-    assert "fake_train: rank=1 failing on purpose" in r.output
-    assert "finished at step" not in r.output
-    assert time.monotonic() - start < 60, r.output
+@pytest.mark.xfail(reason="trainer bug: rank 0 runs `scontrol requeue` before closing W&B; Slurm then "
+                          "SIGTERMs the step's wandb-core, and the first run's last steps never reach "
+                          "its .wandb file (pretrain/trainer.py run()). Remove this mark once fixed.")
+def test_wandb_history_is_complete_across_the_requeue(requeued, tmp_path):
+    steps = []
+    for run in sorted((requeued.run_dir / "wandb").glob("offline-run-*")):
+        view = tmp_path / run.name  # wandb_history reads the one run under DIR/wandb/
+        (view / "wandb").mkdir(parents=True)
+        (view / "wandb" / run.name).symlink_to(run)
+        steps += [row["_step"] for row in wandb_history(view) if "train/loss" in row]
+    assert sorted(steps) == list(range(1, requeued.max_steps + 1))
 
+
+# ------------------------------------------------------------------------------------- failures
 
 def test_bad_config_fails_once_before_launch(slurm_cluster):
-    # The real `pretrain config show` runs once on the head node before anything is launched.
+    # `pretrain config show` runs once on the head node before anything is launched.
     r = slurm_cluster.submit(SCRIPT, [CONFIG, "train.max_stpes=5"], sbatch_opts=CPU_JOB,
-                             env={"GPUS_PER_NODE": "0"}, timeout=60)
+                             env=CPU_ENV, timeout=60)
     assert r.returncode != 0, r.output
     errors = [line for line in r.output.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "max_stpes" in errors[0], r.output
     assert "launch:" not in r.output
 
 
+def test_failure_inside_training_fails_the_job(slurm_cluster, tmp_path):
+    # The config is valid, so the job launches; then every rank fails to find the checkpoint.
+    missing = tmp_path / "elsewhere" / "checkpoints" / "step_00000100"
+    r = slurm_cluster.submit(SCRIPT, [CONFIG, *FAST, "logging.wandb=disabled", f"train.run_dir={tmp_path / 'run'}",
+                                      f"checkpoint.resume={missing}"],
+                             env=CPU_ENV, sbatch_opts=CPU_JOB, timeout=120)
+    assert r.returncode != 0, tail(r.output)
+    assert "launch: srun" in r.output
+    # One line from each of the two ranks, no traceback from our code (torchrun adds its own report).
+    errors = [line for line in r.output.splitlines() if line.startswith("pretrain: error:")]
+    assert errors == [f"pretrain: error: checkpoint {missing} does not exist"] * 2, tail(r.output)
+    assert not re.search(r'File ".*/pretrain/', r.output), tail(r.output)
+    assert "done:" not in r.output
+
+
+# ------------------------------------------------------------------------------------- scancel
+
+@pytest.mark.xfail(strict=True, reason=(
+    "trainer bugs: Slurm SIGTERMs every process of the step, so the DataLoader worker dies "
+    "(RuntimeError 'DataLoader worker ... killed by signal: Terminated' in the trainer) and so does "
+    "W&B's service (ConnectionResetError at the next log): the trainer crashes before saving. "
+    "Remove this mark once data_pipeline/loader.py and pretrain/metrics.py are fixed."))
+def test_scancel_saves_and_stops_without_requeue(slurm_cluster, tmp_path):
+    job = slurm_cluster.start(SCRIPT, [CONFIG, *FAST, "train.max_steps=100000", "logging.wandb=offline",
+                                       f"train.run_dir={tmp_path}"],
+                              env=CPU_ENV, sbatch_opts=CPU_JOB)
+    metrics = tmp_path / "metrics.jsonl"
+    job.wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 120, "training")
+    slurm_cluster.run("scancel", str(job.job_id))  # SIGTERM to every process of the job
+    r = job.wait(timeout=60)
+    state = final_state(job)
+    assert r.returncode != 0
+    saved = re.findall(r"^pretrain: received SIGTERM: saved step (\d+); exiting with 75", r.output, re.M)
+    assert len(saved) == 1, tail(r.output)
+    assert (checkpoint(tmp_path, int(saved[0])) / "manifest.json").is_file()
+    # Cancelled for good: no requeue, no second run.
+    assert state == "CANCELLED", state
+    assert "scontrol requeue" not in r.output and "(restart 1)" not in r.output
+    assert "DUE TO JOB REQUEUE" not in r.output
+
+
+# ------------------------------------------------------------------------------------- dry run
+
 def test_dry_run_prints_config_and_command_without_running(slurm_cluster):
     r = slurm_cluster.submit(SCRIPT, [CONFIG, "train.max_steps=7"], sbatch_opts=CPU_JOB,
-                             env={"GPUS_PER_NODE": "0", "PRETRAIN_DRY_RUN": "1"}, timeout=60)
+                             env={**CPU_ENV, "PRETRAIN_DRY_RUN": "1"}, timeout=60)
     assert r.returncode == 0, r.output
     # The resolved config, as the trainer will see it.
     assert re.search(r"^  max_steps: 7$", r.output, re.M), r.output
@@ -126,4 +273,4 @@ def test_dry_run_prints_config_and_command_without_running(slurm_cluster):
     assert "--nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=node1:" in line
     assert line.endswith(f"-m pretrain train {CONFIG} checkpoint.resume=auto train.max_steps=7")
     assert "bash -c 'trap \"\" USR1; exec \"$@\"' torchrun" in line
-    assert not re.search(r"world_size|Traceback", r.output)
+    assert not re.search(r"world size|Traceback", r.output)
