@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -48,8 +49,12 @@ def build_run(cfg: Config, env: distributed.Dist, stop):
         t0 = time.perf_counter()
         meta = ckpt.verify(resume)
         verify_s = time.perf_counter() - t0
-        ckpt.check_fingerprint(resume, meta, cfg.data.force_resume)
+        ckpt.check_resumable(resume, meta, cfg.data.force_resume)
 
+    launcher_stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    if env.is_main and launcher_stage and int(launcher_stage) != cfg.distributed.zero_stage:
+        print(f"note: the accelerate config says zero_stage {launcher_stage}; this run uses "
+              f"distributed.zero_stage={cfg.distributed.zero_stage} from the run config", flush=True)
     precision = resolve_precision(cfg, env.device)
     ds_config = deepspeed_config(cfg, env.world_size, precision)
     if meta is not None and meta["world_size"] != env.world_size:
@@ -58,8 +63,10 @@ def build_run(cfg: Config, env: distributed.Dist, stop):
     if resume is None and c.init_from:  # fine-tuning: weights (and optionally more) from another run
         init = resolve_checkpoint(c.init_from)
         init_meta = ckpt.verify(init)
-        if c.init_load_optimizer and init_meta["world_size"] != env.world_size:
-            ds_config["checkpoint"] = {"load_universal": True}
+        if c.init_load_optimizer:
+            ckpt.check_resumable(init, init_meta, cfg.data.force_resume)
+            if init_meta["world_size"] != env.world_size:
+                ds_config["checkpoint"] = {"load_universal": True}
     model = build_model(model_args, cfg, ds_config, seed=cfg.train.seed)
     if init is not None and not c.init_load_optimizer:
         load_weights(model, init, env, zero3=cfg.distributed.zero_stage == 3)

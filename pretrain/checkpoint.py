@@ -134,7 +134,8 @@ class CheckpointManager:
             (partial / "tokenizer.json").write_text(self.tokenizer_json)
             meta = {"step": step, "world_size": env.world_size, "trainer": trainer_state,
                     "wandb_run_id": wandb_id, "model_shape": model_shape(self.model_args),
-                    "fingerprint": self.fingerprint, "format": 1}
+                    "fingerprint": self.fingerprint,
+                    "zero_stage": self.run_config["distributed"]["zero_stage"], "format": 1}
             (partial / "meta.json").write_text(json.dumps(meta, indent=2))
         distributed.barrier()
         files = sorted(p for p in partial.rglob("*") if p.is_file())
@@ -207,6 +208,15 @@ class CheckpointManager:
         meta = read_meta(ckpt)
         check_shape(ckpt, meta, self.model_args)
         return meta
+
+    def check_resumable(self, ckpt: Path, meta: dict, force: bool) -> None:
+        """Full resume needs the same ZeRO stage (shard layout) and, unless forced, the same tokenizer."""
+        stage = self.run_config["distributed"]["zero_stage"]
+        if meta.get("zero_stage", stage) != stage:
+            raise CheckpointError(f"checkpoint {ckpt} was saved with ZeRO stage {meta['zero_stage']}, this run "
+                                  f"uses {stage}: set distributed.zero_stage={meta['zero_stage']} to resume "
+                                  f"(checkpoint.init_from loads its weights at any stage)")
+        self.check_fingerprint(ckpt, meta, force)
 
     def check_fingerprint(self, ckpt: Path, meta: dict, force: bool) -> None:
         saved = meta.get("fingerprint", {}).get("tokenizer")

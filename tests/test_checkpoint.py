@@ -181,6 +181,13 @@ def test_other_model_shape_is_refused(tmp_path, saved_run):
     assert "another model shape (n_layers: checkpoint 4 vs config 3)" in proc.stderr
 
 
+def test_other_zero_stage_is_refused(tmp_path, saved_run):
+    shutil.copytree(saved_run / "checkpoints", tmp_path / "checkpoints")
+    proc = run_train(BASE + ["distributed.zero_stage=2", "checkpoint.resume=auto", f"train.run_dir={tmp_path}"],
+                     check=False)
+    assert proc.returncode == 2 and "saved with ZeRO stage 3, this run uses 2" in proc.stderr
+
+
 def test_explicit_missing_checkpoint_path(tmp_path):
     proc = run_train(BASE + [f"checkpoint.resume={tmp_path}/nope", f"train.run_dir={tmp_path}"], check=False)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
