@@ -83,7 +83,7 @@ def test_two_nodes_train_one_model(plain_job):
     assert r.returncode == 0, tail(r.output)
     # One process per node, one process group: rank 0 reports a world of 2, once.
     assert len(re.findall(r"^model: .* \| world size 2 \|", r.output, re.M)) == 1, tail(r.output)
-    assert re.search(rf"^done: {PLAIN_STEPS} steps, loss [\d.]+ -> [\d.]+, run dir {run_dir}$", r.output, re.M)
+    assert re.search(rf"^done: {PLAIN_STEPS} steps, loss .*, run dir {run_dir}$", r.output, re.M)
     # One loss curve: every step logged once, by one rank, into one file.
     assert train_steps(run_dir) == list(range(1, PLAIN_STEPS + 1))
     ckpt = checkpoint(run_dir, PLAIN_STEPS)
