@@ -15,6 +15,9 @@ dividing C and N resumes from the merged state, each rank picking its streams s 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -132,6 +135,23 @@ def _as_is(item):
     return item
 
 
+def _survive_foreign_sigterm(worker_id: int) -> None:
+    """Slurm (scancel, time limit, preemption) sends SIGTERM to every process of a job step, and
+    torch's DataLoader workers die of a SIGTERM their parent did not send: the training process
+    would then fail mid-step instead of saving its checkpoint. Here SIGTERM is blocked and a thread
+    takes it: from the parent (shutdown) the worker exits, from anyone else it is ignored (the
+    training process has its own handler and stops the workers when it is done)."""
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def wait() -> None:
+        while True:
+            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+                os._exit(0)
+
+    threading.Thread(target=wait, daemon=True, name="sigterm").start()
+
+
 def _worker_count(requested: int, per_rank: int) -> int:
     """The largest divisor of the streams per rank that is <= requested, so each stream has one reader."""
     return max(d for d in range(1, max(requested, 1) + 1) if per_rank % d == 0) if requested else 0
@@ -191,7 +211,8 @@ class TokenLoader:
         # collate_fn=_as_is: the default would turn each window into a tensor in shared memory, sent
         # as a file descriptor over a socket: ~0.5 ms a sequence, against a few us for a pickled array.
         loader = DataLoader(data, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is,
-                            prefetch_factor=max(2, self.micro_batch_size), in_order=True)
+                            prefetch_factor=max(2, self.micro_batch_size), in_order=True,
+                            worker_init_fn=_survive_foreign_sigterm)
         with fork_safe():  # the workers are forked here
             return iter(loader)
 

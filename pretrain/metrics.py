@@ -99,15 +99,30 @@ class WandbLogger(MetricLogger):
         self.run.define_metric("compute/*", step_metric="flops")
 
     def log(self, metrics: dict, step: int) -> None:
+        if self.run is None:
+            return
         record = dict(metrics)
         if "train/loss" in record:
             record["compute/loss"] = record["train/loss"]
         if "eval/loss" in record:
             record["compute/eval_loss"] = record["eval/loss"]
-        self.run.log(record, step=step)
+        try:
+            self.run.log(record, step=step)
+        except Exception as e:  # a W&B failure must never cost the run (or its checkpoint)
+            self._lost(e)
 
     def close(self) -> None:
-        self.run.finish()
+        if self.run is not None:
+            try:
+                self.run.finish()
+            except Exception as e:
+                self._lost(e)
+            self.run = None
+
+    def _lost(self, e: Exception) -> None:
+        # Slurm's SIGTERM also reaches the wandb service process; metrics.jsonl keeps everything.
+        print(f"pretrain: W&B logging stopped ({type(e).__name__}: {e}); metrics.jsonl continues", flush=True)
+        self.run = None
 
 
 class Loggers(MetricLogger):

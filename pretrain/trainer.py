@@ -200,6 +200,7 @@ class Trainer:
             signum = self._stop_requested()
             if signum:
                 self.save()
+                self.data_iter = None  # stop the data workers now, before the process is torn down
                 raise Preempted(signum, self.step)
         progress.close()
         summary = {"final_step": self.step, "first_loss": first_loss, "final_loss": last_loss}
@@ -272,8 +273,9 @@ def _requeue_if_slurm(env: distributed.Dist, signum: int) -> None:
     job = os.environ.get("SLURM_JOB_ID")
     if env.is_main and job and signum == signal.SIGUSR1 and os.environ.get("PRETRAIN_REQUEUE") == "1":
         result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-        print(f"pretrain: scontrol requeue {job}: {'ok' if result.returncode == 0 else result.stderr.strip()}",
-              flush=True)
+        # The requeue itself signals every process of the job, scontrol included: -SIGTERM is success.
+        ok = result.returncode in (0, -signal.SIGTERM)
+        print(f"pretrain: scontrol requeue {job}: {'ok' if ok else result.stderr.strip()}", flush=True)
 
 
 def run(config_path: str, overrides: list[str]) -> None:
@@ -300,8 +302,12 @@ def run(config_path: str, overrides: list[str]) -> None:
         if env.is_main:
             print(f"pretrain: {e}; exiting with {EXIT_PREEMPTED} (resume with checkpoint.resume=auto)",
                   flush=True)
+        # The requeue makes Slurm signal every process of the job: flush W&B before it, and let no
+        # rank exit before it is done (an early exit makes srun/torchrun kill rank 0).
+        logger.close()
+        logger = MetricLogger()
+        distributed.barrier()
         _requeue_if_slurm(env, e.signum)
-        # No rank may exit before the requeue is done: an early exit makes srun/torchrun kill rank 0.
         distributed.barrier()
         preempted = True
     else:

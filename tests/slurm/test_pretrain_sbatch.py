@@ -194,9 +194,6 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(requeued):
     assert run_id and all(p.name.endswith(f"-{run_id}") for p in runs), (run_id, runs)
 
 
-@pytest.mark.xfail(reason="trainer bug: rank 0 runs `scontrol requeue` before closing W&B; Slurm then "
-                          "SIGTERMs the step's wandb-core, and the first run's last steps never reach "
-                          "its .wandb file (pretrain/trainer.py run()). Remove this mark once fixed.")
 def test_wandb_history_is_complete_across_the_requeue(requeued, tmp_path):
     steps = []
     for run in sorted((requeued.run_dir / "wandb").glob("offline-run-*")):
@@ -236,11 +233,6 @@ def test_failure_inside_training_fails_the_job(slurm_cluster, tmp_path):
 
 # ------------------------------------------------------------------------------------- scancel
 
-@pytest.mark.xfail(strict=True, reason=(
-    "trainer bugs: Slurm SIGTERMs every process of the step, so the DataLoader worker dies "
-    "(RuntimeError 'DataLoader worker ... killed by signal: Terminated' in the trainer) and so does "
-    "W&B's service (ConnectionResetError at the next log): the trainer crashes before saving. "
-    "Remove this mark once data_pipeline/loader.py and pretrain/metrics.py are fixed."))
 def test_scancel_saves_and_stops_without_requeue(slurm_cluster, tmp_path):
     job = slurm_cluster.start(SCRIPT, [CONFIG, *FAST, "train.max_steps=100000", "logging.wandb=offline",
                                        f"train.run_dir={tmp_path}"],
