@@ -49,6 +49,16 @@ def test_two_processes_match_one_process(tmp_path):
     assert eval_two == pytest.approx(eval_one, rel=1e-5) and eval_one < 8.0
 
 
+def test_activation_checkpointing_gives_the_same_losses(tmp_path):
+    """Recomputing every block (and every 2nd) in backward under ZeRO-3 changes memory, not numbers."""
+    runs = {}
+    for every in (0, 1, 2):
+        runs[every] = tmp_path / f"ac{every}"
+        run_train(SMALL + ["train.max_steps=3", f"train.activation_checkpointing={every}",
+                           f"train.run_dir={runs[every]}"])
+    assert losses(runs[1]) == losses(runs[0]) == losses(runs[2])
+
+
 @pytest.mark.parametrize("launcher", ["accelerate", "deepspeed"])
 def test_launcher_forms_one_group_of_two(tmp_path, launcher):
     """accelerate launch on CPU must not start two processes that each think they are rank 0; the
