@@ -266,3 +266,22 @@ def test_dry_run_prints_config_and_command_without_running(slurm_cluster):
     assert line.endswith(f"-m pretrain train {CONFIG} checkpoint.resume=auto train.max_steps=7")
     assert "bash -c 'trap \"\" USR1; exec \"$@\"' torchrun" in line
     assert not re.search(r"world size|Traceback", r.output)
+
+
+# ------------------------------------------------------------------ srun without torchrun
+
+def test_srun_one_task_per_rank_without_torchrun(slurm_cluster, tmp_path):
+    """`srun python -m pretrain train ...` with one task per rank: the trainer builds its group from
+    SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and the job's first node (no torchrun variables)."""
+    script = tmp_path / "direct.sbatch"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=1\n"
+        f'srun "$PYTHON" -m pretrain train {CONFIG} {" ".join(FAST)} train.max_steps=3 '
+        f"logging.wandb=disabled train.run_dir={tmp_path / 'run'}\n")
+    r = slurm_cluster.submit(script, sbatch_opts=CPU_JOB, env=CPU_ENV, timeout=150)
+    assert r.returncode == 0, tail(r.output)
+    assert "world size 2" in r.output and "done: 3 steps" in r.output, tail(r.output)
+    ckpt = checkpoint(tmp_path / "run", 3)
+    assert json.loads((ckpt / "meta.json").read_text())["world_size"] == 2
+    assert sorted(p.name for p in ckpt.glob("zero_pp_rank_*_optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
