@@ -53,9 +53,6 @@ class MetricLogger:
 
     run_id: str | None = None
 
-    def log_config(self, config: dict) -> None:
-        pass
-
     def log(self, metrics: dict, step: int) -> None:
         pass
 
@@ -131,10 +128,6 @@ class Loggers(MetricLogger):
     def __init__(self, loggers: list[MetricLogger]):
         self.loggers = loggers
         self.run_id = next((lg.run_id for lg in loggers if lg.run_id), None)
-
-    def log_config(self, config: dict) -> None:
-        for lg in self.loggers:
-            lg.log_config(config)
 
     def log(self, metrics: dict, step: int) -> None:
         for lg in self.loggers:
