@@ -49,7 +49,20 @@ def build_run(cfg: Config, env: distributed.Dist, stop):
         t0 = time.perf_counter()
         meta = ckpt.verify(resume)
         verify_s = time.perf_counter() - t0
-        ckpt.check_resumable(resume, meta, cfg.data.force_resume)
+        ckpt.check_resumable(resume, meta)
+
+    # The data comes before the model: a wrong source, tokenizer or resume position fails in
+    # seconds, not after a large model has been built.
+    loader = dp.build_loader(cfg.data, tokenizer, rank=env.rank, world_size=env.world_size,
+                             micro_batch_size=cfg.train.micro_batch_size)
+    if resume is not None:
+        ckpt.load_data_position(resume, loader)
+    val_batches = []
+    if cfg.data.validation:
+        val_batches = dp.build_validation_batches(
+            cfg.data, tokenizer, rank=env.rank, world_size=env.world_size,
+            micro_batch_size=cfg.train.micro_batch_size,
+            n_batches=cfg.train.eval_batches * cfg.grad_accum(env.world_size))
 
     launcher_stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
     if env.is_main and launcher_stage and int(launcher_stage) != cfg.distributed.zero_stage:
@@ -64,22 +77,13 @@ def build_run(cfg: Config, env: distributed.Dist, stop):
         init = resolve_checkpoint(c.init_from)
         init_meta = ckpt.verify(init)
         if c.init_load_optimizer:
-            ckpt.check_resumable(init, init_meta, cfg.data.force_resume)
+            ckpt.check_resumable(init, init_meta)
             if init_meta["world_size"] != env.world_size:
                 ds_config["checkpoint"] = {"load_universal": True}
     model = build_model(model_args, cfg, ds_config, seed=cfg.train.seed)
     if init is not None and not c.init_load_optimizer:
         load_weights(model, init, env, zero3=cfg.distributed.zero_stage == 3)
     engine, _, _ = build_engine(model, cfg, ds_config, env.device)
-
-    loader = dp.build_loader(cfg.data, tokenizer, rank=env.rank, world_size=env.world_size,
-                             micro_batch_size=cfg.train.micro_batch_size)
-    val_batches = []
-    if cfg.data.validation:
-        val_batches = dp.build_validation_batches(
-            cfg.data, tokenizer, rank=env.rank, world_size=env.world_size,
-            micro_batch_size=cfg.train.micro_batch_size,
-            n_batches=cfg.train.eval_batches * cfg.grad_accum(env.world_size))
 
     n_total, n_non_emb = num_params(model_args), num_params(model_args, non_embedding=True)
     fpt = flops_per_token(model_args, cfg.data.seq_len)
@@ -105,7 +109,7 @@ def build_run(cfg: Config, env: distributed.Dist, stop):
     trainer = Trainer(cfg, env, engine, loader, val_batches, ckpt, logger, fpt, precision, stop)
     if resume is not None:
         t0 = time.perf_counter()
-        ckpt.load(resume, meta, engine, loader)
+        ckpt.load(resume, meta, engine)
         logger.log({"checkpoint/load_s": time.perf_counter() - t0, "checkpoint/verify_s": verify_s}, meta["step"])
         trainer.load_state_dict(meta["trainer"])
         if env.is_main:
@@ -114,7 +118,7 @@ def build_run(cfg: Config, env: distributed.Dist, stop):
                   flush=True)
     elif init is not None:
         if c.init_load_optimizer:
-            ckpt.load(init, init_meta, engine, loader, load_data=False, load_scheduler=c.init_keep_step)
+            ckpt.load(init, init_meta, engine, load_rng=False, load_scheduler=c.init_keep_step)
         if c.init_keep_step:
             trainer.step = init_meta["trainer"]["step"]
         if env.is_main:

@@ -209,21 +209,19 @@ class CheckpointManager:
         check_shape(ckpt, meta, self.model_args)
         return meta
 
-    def check_resumable(self, ckpt: Path, meta: dict, force: bool) -> None:
-        """Full resume needs the same ZeRO stage (shard layout) and, unless forced, the same tokenizer."""
+    def check_resumable(self, ckpt: Path, meta: dict) -> None:
+        """Loading shards and optimizer state needs the same ZeRO stage (shard layout). (Other data
+        or another tokenizer is caught by the data position's own fingerprint check.)"""
         stage = self.run_config["distributed"]["zero_stage"]
         if meta.get("zero_stage", stage) != stage:
             raise CheckpointError(f"checkpoint {ckpt} was saved with ZeRO stage {meta['zero_stage']}, this run "
                                   f"uses {stage}: set distributed.zero_stage={meta['zero_stage']} to resume "
                                   f"(checkpoint.init_from loads its weights at any stage)")
-        self.check_fingerprint(ckpt, meta, force)
 
-    def check_fingerprint(self, ckpt: Path, meta: dict, force: bool) -> None:
-        saved = meta.get("fingerprint", {}).get("tokenizer")
-        if saved != self.fingerprint.get("tokenizer") and not force:
-            raise CheckpointError(f"checkpoint {ckpt} was trained with another tokenizer "
-                                  f"(fingerprint {str(saved)[:12]} vs {str(self.fingerprint.get('tokenizer'))[:12]}); "
-                                  f"use the same data.tokenizer, or data.force_resume=true if you mean it")
+    @staticmethod
+    def load_data_position(ckpt: Path, loader) -> None:
+        """Position the data loader; raises DataError if the data or tokenizer differ (unless forced)."""
+        loader.load_state_dict(json.loads((ckpt / "data_state.json").read_text()))
 
     def universal_dir(self, ckpt: Path) -> Path:
         """Convert `ckpt` to DeepSpeed's universal format (rank 0; cached), for another world size."""
@@ -241,11 +239,11 @@ class CheckpointManager:
         distributed.barrier()
         return out
 
-    def load(self, ckpt: Path, meta: dict, engine, loader, *, load_data: bool = True,
+    def load(self, ckpt: Path, meta: dict, engine, *, load_rng: bool = True,
              load_scheduler: bool = True) -> None:
-        """Restore the engine (weights, optimizer, LR schedule) and, with load_data, the data
-        position and RNG. At another world size, through DeepSpeed's universal checkpoint (the
-        engine must have been built with checkpoint.load_universal)."""
+        """Restore the engine (weights, optimizer, LR schedule) and, with load_rng, this rank's RNG.
+        At another world size, through DeepSpeed's universal checkpoint (the engine must have been
+        built with checkpoint.load_universal)."""
         load_dir, tag = ckpt.parent, ckpt.name
         universal = meta["world_size"] != self.env.world_size
         if universal:
@@ -267,9 +265,8 @@ class CheckpointManager:
             for state in engine.optimizer.optimizer.state.values():
                 if torch.is_tensor(state.get("step")):
                     state["step"] = state["step"].clone()
-        if not load_data:
+        if not load_rng:
             return
-        loader.load_state_dict(json.loads((ckpt / "data_state.json").read_text()))
         rng = torch.load(ckpt / "rng_states.pt", weights_only=True)
         if len(rng) == self.env.world_size:
             torch.set_rng_state(rng[self.env.rank])

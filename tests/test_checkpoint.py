@@ -188,6 +188,17 @@ def test_other_zero_stage_is_refused(tmp_path, saved_run):
     assert proc.returncode == 2 and "saved with ZeRO stage 3, this run uses 2" in proc.stderr
 
 
+def test_other_data_is_refused_unless_forced(tmp_path, saved_run):
+    shutil.copytree(saved_run / "checkpoints", tmp_path / "checkpoints")
+    other = BASE + ["data.sources=[{path: builtin:python-docstrings}]", "checkpoint.resume=auto",
+                    f"train.run_dir={tmp_path}"]
+    proc = run_train(other, check=False)
+    assert proc.returncode == 2 and "saved with other data.sources" in proc.stderr.splitlines()[-1]
+    assert "model:" not in proc.stdout  # refused before the model was built
+    proc = run_train(other + ["train.max_steps=9", "data.force_resume=true"])
+    assert "resumed from" in proc.stdout
+
+
 def test_explicit_missing_checkpoint_path(tmp_path):
     proc = run_train(BASE + [f"checkpoint.resume={tmp_path}/nope", f"train.run_dir={tmp_path}"], check=False)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
