@@ -193,11 +193,6 @@ class TokenLoader:
         """Global sequences consumed (all ranks, assuming they advance together)."""
         return self._m * self.world_size
 
-    @property
-    def tokens_consumed(self) -> int:
-        """Global training tokens consumed: sequences x seq_len."""
-        return self.sequences_consumed * self.plan.seq_len
-
     def stats(self) -> dict:
         """Documents tokenized and empty documents skipped by this rank's text streams, up to the
         start of each stream's current shuffle block."""
