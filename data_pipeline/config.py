@@ -10,7 +10,8 @@ class SourceConfig:
     path: str = ""  # hub dataset name, local file/glob/dir, "builtin:python-docs", or a `prepare`d dir
     kind: str = "auto"  # auto | hub | text | json | parquet | prepared | builtin
     name: str = ""  # hub dataset config name ("" = default)
-    split: str = "train"  # dataset split
+    split: str = "train"  # dataset split: a hub split; builtin and local files: train | validation
+    holdout: float = 0.0  # local files: share of documents held out as split "validation" (train skips them)
     text_field: str = "text"  # column holding the document text (json/parquet/hub)
     sample_by: str = "paragraph"  # plain-text files: one document per line | paragraph | document
     weight: float = 1.0  # mixture weight: share of training sequences (tokens) drawn from this source
@@ -39,6 +40,17 @@ class DataConfig:
                 out.append(f"data source #{i} has no path: set path to a hub name or local file")
             if src.weight <= 0:
                 out.append(f"data source {src.path!r} has weight {src.weight}: weights must be > 0")
+            if not 0 <= src.holdout < 1:
+                out.append(f"data source {src.path!r} has holdout={src.holdout}: a share in [0, 1)")
+        # Held-out documents must not be trained on: a validation source with `holdout` needs its
+        # training source (the same path) to skip the same documents.
+        train = {s.path: s for s in self.sources}
+        for v in self.validation:
+            t = train.get(v.path)
+            if v.holdout and t is not None and (t.holdout != v.holdout or t.split != "train"):
+                out.append(f"data source {v.path!r} is held out with holdout={v.holdout} for validation, but "
+                           f"its training source has holdout={t.holdout}: set the same holdout on both, or the "
+                           "held-out documents are trained on")
         if self.seq_len <= 0:
             out.append(f"data.seq_len={self.seq_len} must be positive")
         if self.num_streams <= 0 or self.shuffle_blocks <= 0 or self.num_workers < 0:

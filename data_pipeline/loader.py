@@ -242,8 +242,15 @@ class TokenLoader:
                 "num_streams": self.plan.num_streams, "streams": dict(self._states),
                 "fingerprint": dict(self.fingerprint)}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Resume from a merged state saved at any world size dividing its `consumed` count."""
+    def check_state(self, state: dict | None) -> None:
+        """Raise DataError if `state` (merged, from a checkpoint) cannot position this loader: another
+        state version, num_streams, world size not dividing it, or other data (unless forced)."""
+        if not isinstance(state, dict):
+            raise DataError("the checkpoint has no data position (data_state.json): it cannot be resumed")
+        version = state.get("version")
+        if version != STATE_VERSION:
+            raise DataError(f"the data position has version {version}, this pretrain reads version {STATE_VERSION}: "
+                            "resume with the pretrain version that saved it")
         n = state.get("num_streams")
         if n != self.plan.num_streams:
             raise DataError(f"the data state was saved with data.num_streams={n}, this run has "
@@ -261,7 +268,11 @@ class TokenLoader:
         if consumed % self.world_size:
             raise DataError(f"the data state has {consumed} sequences consumed, not divisible by the world "
                             f"size {self.world_size}: resume at a world size that divides the global batch")
-        self._m = consumed // self.world_size
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from a merged state saved at any world size dividing its `consumed` count."""
+        self.check_state(state)
+        self._m = int(state["consumed"]) // self.world_size
         self._states = {key: st for key, st in state["streams"].items()
                         if int(key.split("/")[1]) % self.world_size == self.rank}
 

@@ -18,10 +18,9 @@ import numpy as np
 
 from data_pipeline.config import DataConfig
 from data_pipeline.errors import DataError
-from data_pipeline.sources import META, PreparedSource, TextSource, resolve_source
+from data_pipeline.sources import META, PREPARED_FORMAT, PreparedSource, TextSource, resolve_source
 from data_pipeline.tokenizer import encode_docs, eot_id, fork_safe, load_tokenizer, tokenizer_fingerprint
 
-FORMAT = "pretrain-tokens/1"
 SHARD_TOKENS = 1 << 28  # tokens per output file (512 MiB as uint16)
 CHUNK_DOCS = 1000  # documents per task sent to a tokenizer process
 
@@ -129,7 +128,7 @@ def _prepare_one(src: TextSource, tok, eot: int, dest: Path, procs: int, tok_spe
         if fh is not None:
             fh.close()
     meta = {
-        "format": FORMAT, "tokenizer": tok_spec, "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+        "format": PREPARED_FORMAT, "tokenizer": tok_spec, "tokenizer_fingerprint": tokenizer_fingerprint(tok),
         "eot_id": eot, "vocab_size": vocab, "dtype": dtype.name,
         "tokens": sum(s["tokens"] for s in shards), "docs": counts["docs"], "empty_docs": counts["empty"],
         "source": {"path": src.label, "kind": src.kind, "fingerprint": src.fingerprint}, "shards": shards,

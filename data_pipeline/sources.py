@@ -28,6 +28,7 @@ EXT_KINDS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 SAMPLE_BY = ("line", "paragraph", "document")
 META = "meta.json"
+PREPARED_FORMAT = "pretrain-tokens/1"  # meta.json "format" of a prepared directory this version reads
 READ_ROWS = 1024  # rows per Arrow table read from a shard
 SHARED_BYTES = 64 << 20  # Arrow tables of a shard kept for the other streams of a process to read
 
@@ -57,8 +58,13 @@ class TextSource:
     """Documents from files or a hub dataset, read one shard at a time (a shard = a file for local data,
     `IterableDataset.n_shards` for the hub)."""
 
-    def __init__(self, cfg: SourceConfig, kind: str, files: list[str], label: str | None = None):
+    def __init__(self, cfg: SourceConfig, kind: str, files: list[str], label: str | None = None,
+                 holdout: float = 0.0, held_out_part: bool = False):
         self.label = label or cfg.path  # the path as the user wrote it, for messages
+        # Local files only: this fraction of each file's documents is the held-out part (chosen by a
+        # hash of the file name and row); held_out_part=True reads only it, False skips it.
+        self.holdout, self.held_out_part = holdout, held_out_part
+        self._salts = [int(hashlib.sha256(os.path.basename(f).encode()).hexdigest()[:10], 16) for f in files]
         self.kind = kind  # hub | text | json | parquet
         self.path = cfg.path
         self.files = files  # local files (empty for the hub)
@@ -79,6 +85,8 @@ class TextSource:
             ident["files"] = [[os.path.basename(f), os.path.getsize(f)] for f in files]
         if kind == "text":
             ident["sample_by"] = cfg.sample_by
+        if holdout:
+            ident.update(holdout=holdout, held_out_part=held_out_part)
         self.fingerprint = _digest(ident)
 
     def __getstate__(self):  # worker processes open their own dataset object
@@ -151,6 +159,12 @@ class TextSource:
                 if r < row + n:
                     col = self._column(table, shard)
                     idx = list(range(r - row, n, step))
+                    if self.holdout:
+                        held = _held_out(np.asarray(idx, dtype=np.uint64) + np.uint64(row), self._salts[shard],
+                                         self.holdout)
+                        idx = [k for k, h in zip(idx, held) if h == self.held_out_part]
+                        if not idx:
+                            continue
                     texts = col.to_pylist() if len(idx) == n else col.take(idx).to_pylist()
                     for k, text in zip(idx, texts):
                         yield row + k, text or ""
@@ -160,14 +174,75 @@ class TextSource:
             raise DataError(_read_error(self._where(shard), e)) from None
 
     def check(self) -> None:
-        """Fail early, in the main process, on a missing text field or a source with no documents."""
+        """Fail early, in the main process, on a missing text field, a source with no documents, or
+        one whose first documents are binary data rather than text."""
         for shard in range(self.n_shards):
+            sample = []
             for _, text in self.docs(shard):
                 if text.strip():
-                    return
+                    sample.append(text)
+                    if sum(map(len, sample)) >= BINARY_SAMPLE:
+                        break
+            if sample:
+                _check_text("\n".join(sample), self._where(shard))
+                return
             if self.kind == "hub":
                 break  # do not read a whole hub dataset looking for a row
-        raise DataError(f"data source {self.label!r} is empty (no documents): check the path and split")
+        part = " (its held-out part)" if self.holdout and self.held_out_part else ""
+        raise DataError(f"data source {self.label!r}{part} is empty (no documents): check the path and split")
+
+
+BINARY_SAMPLE = 1 << 16  # bytes of each text file (or characters of a document) looked at
+# A "text" with more undecodable bytes than this share (and at least MIN_UNDECODABLE of them) is
+# binary data; a few stray bytes in a real text file become U+FFFD and are kept.
+MAX_UNDECODABLE, MIN_UNDECODABLE = 0.05, 16
+
+
+def _check_text(text: str, where: str) -> None:
+    """Refuse binary data read as text: NUL characters, or many U+FFFD (bytes that are not UTF-8)."""
+    sample = text[:BINARY_SAMPLE]
+    if "\x00" in sample:
+        raise DataError(f"{where} looks binary, not text (it contains NUL bytes): give text files, or the right "
+                        "kind (json, parquet) for structured data")
+    count = sample.count("\ufffd")
+    bad = count / max(1, len(sample))
+    if bad > MAX_UNDECODABLE and count >= MIN_UNDECODABLE:
+        raise DataError(f"{where} looks binary, not text ({bad:.0%} of its first characters are not UTF-8): "
+                        "give UTF-8 text files, or the right kind (json, parquet) for structured data")
+
+
+def _check_text_file(path: str, where: str) -> None:
+    """The same check on a text file's first bytes (decompressed), before `datasets` reads it."""
+    opener = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}.get(os.path.splitext(path)[1].lower())
+    try:
+        if opener:
+            import importlib
+
+            with importlib.import_module(opener).open(path, "rb") as f:
+                head = f.read(BINARY_SAMPLE)
+        elif path.lower().endswith(COMPRESSIONS):
+            return  # .zst/.lz4: left to the document check
+        else:
+            with open(path, "rb") as f:
+                head = f.read(BINARY_SAMPLE)
+    except OSError as e:
+        raise DataError(f"{where} could not be read ({_first_line(e)}): fix or remove it") from None
+    if b"\x00" in head:
+        raise DataError(f"{where} looks binary, not text (it contains NUL bytes): give text files, or the right "
+                        "kind (json, parquet) for structured data")
+    _check_text(head[:BINARY_SAMPLE - 4].decode("utf-8", errors="replace"), where)
+
+
+def _held_out(rows: np.ndarray, salt: int, fraction: float) -> np.ndarray:
+    """Whether each row (uint64 array) of the file with `salt` is in the held-out part: splitmix64 of
+    (salt, row) below `fraction`. Stateless and independent of how streams split the rows."""
+    with np.errstate(over="ignore"):
+        x = rows + np.uint64(salt << 24)
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)).astype(np.float64) / 2.0**53 < fraction
 
 
 _EVICTED = object()
@@ -240,6 +315,9 @@ class PreparedSource:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise DataError(f"prepared source {label!r}: {directory / META} is unreadable ({_first_line(e)}): "
                             "re-run `pretrain data prepare`") from None
+        if self.meta.get("format") != PREPARED_FORMAT:
+            raise DataError(f"prepared source {label!r} has format {self.meta.get('format')!r}, this pretrain reads "
+                            f"{PREPARED_FORMAT!r}: re-run `pretrain data prepare` with this version")
         for f, n in zip(self.files, counts):
             if not os.path.exists(f) or os.path.getsize(f) != n * self.dtype.itemsize:
                 raise DataError(f"prepared source {label!r}: shard {f} is missing or has the wrong size: "
@@ -296,6 +374,9 @@ def resolve_source(cfg: SourceConfig) -> TextSource | PreparedSource:
         raise DataError(f"data source {path!r} has kind={kind!r}: use one of " + ", ".join(KINDS))
     if not path:
         raise DataError("a data source has no path: set path to a local file, hub dataset or builtin:NAME")
+    if cfg.holdout and (path.startswith("builtin:") or kind in ("builtin", "hub")):
+        raise DataError(f"data source {path!r} has holdout={cfg.holdout}: holdout is for local files; "
+                        "builtin and hub datasets have their own splits (split: validation)")
     if path.startswith("builtin:") or kind == "builtin":
         files = builtin.dataset_files(path.removeprefix("builtin:"), cfg.split)
         cfg = SourceConfig(**{**cfg.__dict__, "text_field": "text"})
@@ -314,6 +395,10 @@ def resolve_source(cfg: SourceConfig) -> TextSource | PreparedSource:
             raise DataError(f"data source {path!r} matches no files: fix the pattern")
     elif os.path.isdir(local):
         if kind in ("auto", "prepared") and os.path.exists(os.path.join(local, META)):
+            if cfg.split != "train" or cfg.holdout:
+                raise DataError(f"data source {path!r} is prepared: it has no splits (split: {cfg.split}, "
+                                f"holdout: {cfg.holdout}); `pretrain data prepare` writes validation sources "
+                                "to their own directories")
             src = PreparedSource(path, Path(local))
             src.check()
             return src
@@ -349,6 +434,16 @@ def resolve_source(cfg: SourceConfig) -> TextSource | PreparedSource:
     files = [f for f in files if os.path.getsize(f) > 0]
     if not files:
         raise DataError(f"data source {path!r} is empty (its files have no data): check the path")
-    src = TextSource(cfg, kind, files)
+    if cfg.split not in ("train", "validation"):
+        raise DataError(f"data source {path!r} has split={cfg.split!r}: local files have the splits train and "
+                        "validation (with holdout set)")
+    if cfg.split == "validation" and not cfg.holdout:
+        raise DataError(f"data source {path!r} has split: validation, but local files have no validation split "
+                        "of their own: set holdout (e.g. 0.01) on it and on the training source of the same "
+                        "files, or give separate validation files (split: train)")
+    if kind == "text":
+        for f in files:
+            _check_text_file(f, f"data source {path!r} (file {f})")
+    src = TextSource(cfg, kind, files, holdout=cfg.holdout, held_out_part=cfg.split == "validation")
     src.check()
     return src

@@ -1,40 +1,58 @@
-"""Sharded checkpoints that are atomic, verified, rotated, and resumable at another world size.
+"""Sharded checkpoints: atomic, durable, verified, rotated, resumable at another world size; and the
+choice of where a run starts (fresh, resume, fine-tune), made in one place.
 
 Layout of run_dir/checkpoints/:
-    step_00000200/               one complete checkpoint (the name is only ever given to a complete one)
-        mp_rank_00_model_states.pt, zero_pp_rank_R_mp_rank_00_{model,optim}_states.pt   DeepSpeed's shards
-        meta.json                step, world size, trainer state, W&B run id, model shape, fingerprints
-        data_state.json          the data pipeline position of every stream (world-size independent)
-        rng_states.pt            torch RNG state of every rank
-        config.yaml              the resolved run config
-        tokenizer.json           the tokenizer, so a checkpoint exports and samples on its own
-        manifest.json            size and sha256 of every file above, written last
-    latest                       name of the newest complete checkpoint (DeepSpeed's tools read it)
-    .universal/step_.../         DeepSpeed universal checkpoint, made when the world size changed
+    step_00000200/           one complete checkpoint (the name is only ever given to a complete one)
+        mp_rank_00_model_states.pt, zero_pp_rank_R_mp_rank_00_optim_states.pt   DeepSpeed's shards
+        meta.json            format, step, run id, world size, model shape, ZeRO stage, tokenizer
+                             fingerprint, package version and git commit
+        trainer_state.json   data_state.json   rng_state.json    one file per tracked state
+        config.yaml          the resolved run config
+        tokenizer.json       the tokenizer, so a checkpoint exports and samples on its own
+        manifest.json        size and sha256 of every file above, written last
+    latest                   name of the newest complete checkpoint (DeepSpeed's tools read it)
+    set_aside/               checkpoints a resume did not use: corrupt ones, and ones newer than an
+                             explicitly resumed older checkpoint (moved here, never deleted)
+    .universal/step_.../     DeepSpeed universal checkpoint, made when the world size changed
 
-A save writes into `.partial_step_...`, and only after every rank has written and the manifest is
-complete is it renamed to `step_...`: a process killed mid-save leaves a `.partial_` folder that
-resume ignores and the next save removes. A good checkpoint is never overwritten in place.
+A save writes into `.partial_step_...`. Every rank fsyncs and checksums its share of the files;
+only when all ranks have written without error is the manifest written, the folder fsynced and
+renamed to `step_...`, and the parent fsynced (as databases do): after a crash or a power loss a
+`step_...` folder is complete. A failed save (a full disk) removes its partial folder, leaves the
+previous checkpoints untouched and stops the run with one line. Rotation deletes only complete
+checkpoints of this run (its run id), and only after the new one is complete.
+
+Everything that survives a restart is a tracked state (`track(trainer=..., data=..., rng=...)`:
+objects with state_dict()/load_state_dict(), whose state_dict() every rank calls, so it may gather
+across ranks) plus the DeepSpeed engine (its own shards). `restore(start)` brings them all back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pretrain import distributed
-from pretrain.errors import CheckpointError
+from pretrain.errors import CheckpointError, RunDirError, collective
+from pretrain.rundir import RunDir, fsync_dir, new_run_id, write_atomic
 
+log = logging.getLogger(__name__)
+
+FORMAT = 2  # meta.json "format"; bump when the layout changes, and say what reads older ones
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 # Fields of the model shape that must match to load weights (init scale and presets may differ).
 SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "hidden_dim", "tie_embeddings")
@@ -44,16 +62,21 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
+def step_folders(root: Path) -> list[Path]:
+    """Every `step_XXXXXXXX` folder under `root`, complete or not, oldest first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / "manifest.json").is_file()]
-    return sorted(found, key=lambda p: p.name)
+    return sorted((p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()), key=lambda p: p.name)
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Step folders with a manifest under `root`, oldest first (not verified)."""
+    return [p for p in step_folders(root) if (p / "manifest.json").is_file()]
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder from a user path: a step folder, or a checkpoints root / run dir (its latest)."""
+    """A checkpoint folder from a user path: a step folder, or a checkpoints root / run dir (its
+    newest complete checkpoint)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
@@ -71,188 +94,335 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def read_meta(ckpt: Path) -> dict:
     try:
-        return json.loads((ckpt / "meta.json").read_text())
+        meta = json.loads((ckpt / "meta.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {ckpt}: meta.json unreadable ({e})") from None
+    fmt = meta.get("format", 1)
+    if not isinstance(fmt, int) or fmt > FORMAT:
+        raise CheckpointError(f"checkpoint {ckpt} has format {fmt}, newer than this pretrain reads ({FORMAT}): "
+                              "upgrade pretrain")
+    return meta
 
 
 def model_shape(args) -> dict:
     return {f: getattr(args, f) for f in SHAPE_FIELDS}
 
 
-def check_shape(ckpt: Path, meta: dict, args) -> None:
-    ours = model_shape(args)
-    diff = [f"{k}: checkpoint {meta['model_shape'].get(k)} vs config {v}"
-            for k, v in ours.items() if meta["model_shape"].get(k) != v]
-    if diff:
-        raise CheckpointError(f"checkpoint {ckpt} has another model shape ({'; '.join(diff)}): "
-                              f"use the model config it was saved with")
-
-
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, sync: bool = False) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
+        if sync:  # flushes the file's dirty pages whoever wrote them (same host, or a closed NFS file)
+            os.fsync(f.fileno())
     return h.hexdigest()
 
 
-def _my_share(files: list[Path], rank: int, world: int) -> list[Path]:
-    """Spread checksumming over ranks: each hashes every world-th file."""
-    return files[rank::world]
+def _my_share(items: list, rank: int, world: int) -> list:
+    """Spread checksumming over ranks: each takes every world-th item."""
+    return items[rank::world]
+
+
+def _check_files(ckpt: Path, rank: int = 0, world: int = 1) -> str | None:
+    """The first problem with this rank's share of the manifest's files, or None."""
+    try:
+        manifest = json.loads((ckpt / "manifest.json").read_text())["files"]
+    except FileNotFoundError:
+        return f"checkpoint {ckpt} has no manifest.json (an interrupted save, or files removed by hand)"
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        return f"checkpoint {ckpt}: manifest.json unreadable ({e})"
+    for name in _my_share(sorted(manifest), rank, world):
+        path, want = ckpt / name, manifest[name]
+        if not path.is_file():
+            return f"checkpoint {ckpt} is missing {name}"
+        if path.stat().st_size != want["size"]:
+            return f"checkpoint {ckpt}: {name} has {path.stat().st_size} bytes, expected {want['size']} (truncated?)"
+        if _sha256(path) != want["sha256"]:
+            return f"checkpoint {ckpt}: {name} fails its checksum (corrupt)"
+    return None
+
+
+def open_checkpoint(path: str | Path) -> tuple[Path, dict]:
+    """(checkpoint folder, meta) for a reader in one process (export, generate, eval): resolved from
+    a user path and verified against its manifest first. Raises CheckpointError naming the problem."""
+    ckpt = resolve_checkpoint(path)
+    problem = _check_files(ckpt)
+    if problem:
+        raise CheckpointError(problem)
+    return ckpt, read_meta(ckpt)
+
+
+@dataclass
+class Start:
+    """Where a run starts: kind "fresh", "resume" (everything from `path`) or "finetune" (weights,
+    optionally optimizer and step, from `path`). `step` is the first step's predecessor."""
+
+    kind: str
+    run_id: str
+    path: Path | None = None
+    meta: dict | None = None
+    step: int = 0
+
+    def universal(self, world_size: int) -> bool:
+        """The optimizer state comes from another world size: DeepSpeed must load it universally."""
+        return self.meta is not None and self.meta["world_size"] != world_size
+
+    def read_state(self, name: str) -> dict | None:
+        f = self.path / f"{name}_state.json"
+        return json.loads(f.read_text()) if f.is_file() else None
+
+
+class _RecordingEngine:
+    """DeepSpeed's torch checkpoint engine, except that a failed write is recorded, not raised: a rank
+    that raised inside `engine.save_checkpoint` would leave the others waiting forever in its closing
+    barrier. The manager checks the records on every rank after the call."""
+
+    def __init__(self, engine):
+        self.inner = engine.checkpoint_engine  # DeepSpeed's, configured from its config
+        self.errors: list[tuple[str, BaseException]] = []
+        engine.checkpoint_engine = self
+        # DeepSpeed also copies its zero_to_fp32.py into the checkpoints folder on rank 0.
+        engine._copy_recovery_script = self._recorded(engine._copy_recovery_script, "zero_to_fp32.py")
+
+    def _recorded(self, fn, what):
+        def call(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001
+                self.errors.append((what, e))
+        return call
+
+    def save(self, state_dict, path: str):
+        self._recorded(self.inner.save, path)(state_dict, path)
+
+    def makedirs(self, path, exist_ok=False):
+        self._recorded(os.makedirs, path)(path, exist_ok=exist_ok)
+
+    def __getattr__(self, name):  # load, create, commit, is_decoupled, ...
+        return getattr(self.inner, name)
+
+
+def _describe_failure(errors: list[tuple[str, BaseException]]) -> tuple[str, bool]:
+    """(first error, whether it is a full disk)."""
+    what, e = errors[0]
+    full = any(isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT) or
+               "No space left" in str(x) or "unexpected pos" in str(x) or "file write failed" in str(x)
+               for _, x in errors)
+    lines = str(e).strip().splitlines()
+    return f"{what}: {type(e).__name__}: {lines[-1] if lines else ''}", full
 
 
 class CheckpointManager:
-    """Saves and restores everything a run needs, given the live objects (engine, data loader,
-    trainer state); rank 0 writes the shared files, every rank writes its own shards."""
+    """Owns run_dir/checkpoints: picks the start point, saves, verifies, rotates this run's own
+    checkpoints and restores the tracked states. Collective: every rank calls every method."""
 
-    def __init__(self, root: Path, cfg, env: distributed.Dist, run_config: dict, model_args,
-                 fingerprint: dict, tokenizer_json: str):
-        self.root, self.cfg, self.env = Path(root), cfg, env
-        self.run_config, self.model_args, self.fingerprint = run_config, model_args, fingerprint
-        self.tokenizer_json = tokenizer_json
+    def __init__(self, run: RunDir, cfg, env: distributed.Dist, *, model_args, zero_stage: int,
+                 run_config: dict, tokenizer_json: str, tokenizer_fingerprint: str, overwrite: bool,
+                 provenance: dict):
+        self.run, self.cfg, self.env = run, cfg, env
+        self.root = run.checkpoints
+        self.model_args, self.zero_stage, self.run_config = model_args, zero_stage, run_config
+        self.tokenizer_json, self.tokenizer_fingerprint = tokenizer_json, tokenizer_fingerprint
+        self.overwrite, self.provenance = overwrite, provenance
+        self.states: dict = {}
+        self.engine = None
+        self._recorder: _RecordingEngine | None = None
+        self.last_size = 0  # bytes of the newest checkpoint, for the free-space warning
+        self.timings: dict[str, float] = {}  # verify_s, load_s of the start point (seconds)
 
-    # ------------------------------------------------------------------ save
-    def save(self, step: int, engine, loader, trainer_state: dict, wandb_id: str | None) -> Path:
-        env, final = self.env, self.root / step_dir_name(step)
-        partial = self.root / f".partial_{step_dir_name(step)}"
-        if env.is_main:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
+    # ------------------------------------------------------------------ start point
+    def plan_start(self) -> Start:
+        """Decide, verify and announce where this run starts; claim the run dir. Raises
+        CheckpointError/RunDirError on every rank when it cannot start without losing data."""
+        c = self.cfg
+        owner = distributed.on_main(self.run.owner)
+        if c.resume == "auto":
+            start = self._latest_good()
+        elif c.resume != "none":
+            start = self._resume_from(distributed.on_main(resolve_checkpoint, c.resume))
+        else:
+            start = None
+        if start is not None:
+            if owner and owner.get("run_id") != start.run_id:
+                self._refuse_or_replace(owner, f"checkpoint {start.path} belongs to run {start.run_id}")
+            self._set_aside_newer(start)
+        else:  # a fresh start (or fine-tuning): this run must own the dir
+            same_run_restart = c.resume == "auto" and owner is not None  # crashed before its first checkpoint
+            traces = distributed.on_main(self.run.traces)
+            if owner and not same_run_restart or traces and not owner:
+                self._refuse_or_replace(owner or {}, "this run starts fresh", traces)
+                owner = None
+            run_id = owner["run_id"] if same_run_restart and owner else new_run_id()
+            start = self._finetune_start(run_id) if c.init_from else Start("fresh", run_id)
+        run_id = distributed.broadcast_object(start.run_id)
+        self.run.claim(run_id, self.provenance)
         distributed.barrier()
-        engine.save_checkpoint(str(self.root), tag=partial.name, save_latest=False)
-        data_states = distributed.all_gather_objects(loader.state_dict())
-        rng_states = distributed.all_gather_objects(torch.get_rng_state())
-        if env.is_main:
-            from data_pipeline import merge_states
+        return start
 
-            (partial / "data_state.json").write_text(json.dumps(merge_states(data_states)))
-            torch.save(rng_states, partial / "rng_states.pt")
-            import yaml
+    def _refuse_or_replace(self, owner: dict, why: str, traces: list[str] | None = None) -> None:
+        traces = traces if traces is not None else distributed.on_main(self.run.traces)
+        what = f"run {owner['run_id']}" if owner.get("run_id") else "another run"
+        held = f" ({', '.join(traces)})" if traces else ""
+        if not self.overwrite:
+            raise collective(RunDirError(
+                f"run dir {self.run.path} holds {what}{held}, and {why}: continue that run with "
+                f"checkpoint.resume=auto, set train.run_dir to another directory, or set train.overwrite=true "
+                f"to start over (its files are moved to {self.run.path / 'replaced'}/, not deleted)"))
+        dest = distributed.on_main(self.run.replace, owner.get("run_id", ""))
+        log.info("train.overwrite: moved the files of %s to %s (delete them when you no longer need them)", what, dest)
 
-            (partial / "config.yaml").write_text(yaml.safe_dump(self.run_config, sort_keys=False))
-            (partial / "tokenizer.json").write_text(self.tokenizer_json)
-            meta = {"step": step, "world_size": env.world_size, "trainer": trainer_state,
-                    "wandb_run_id": wandb_id, "model_shape": model_shape(self.model_args),
-                    "fingerprint": self.fingerprint,
-                    "zero_stage": self.run_config["distributed"]["zero_stage"], "format": 1}
-            (partial / "meta.json").write_text(json.dumps(meta, indent=2))
-        distributed.barrier()
-        files = sorted(p for p in partial.rglob("*") if p.is_file())
-        sums = {str(p.relative_to(partial)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-                for p in _my_share(files, env.rank, env.world_size)}
-        all_sums = distributed.all_gather_objects(sums)
-        if env.is_main:
-            manifest = {k: v for part in all_sums for k, v in part.items()}
-            _write_atomic(partial / "manifest.json", json.dumps({"files": manifest}, indent=1))
-            if final.exists():  # the same step saved before (e.g. after resuming from an older one)
-                trash = self.root / f".trash_{final.name}"
-                shutil.rmtree(trash, ignore_errors=True)
-                final.rename(trash)
-                partial.rename(final)
-                shutil.rmtree(trash)
-            else:
-                partial.rename(final)
-            _write_atomic(self.root / "latest", final.name)
-            self._rotate()
-        distributed.barrier()
-        return final
+    def _corruption(self, ckpt: Path) -> str | None:
+        """Collective check of every file against the manifest (sha256 spread over ranks): None if
+        the files are intact, else the first problem found."""
+        t0 = time.perf_counter()
+        problems = [p for p in distributed.all_gather_objects(
+            _check_files(ckpt, self.env.rank, self.env.world_size)) if p]
+        self.timings["verify_s"] = self.timings.get("verify_s", 0.0) + time.perf_counter() - t0
+        return problems[0] if problems else None
 
-    def _rotate(self) -> None:
-        """Keep the newest keep_last complete checkpoints plus every keep_every-th step; remove
-        leftovers of interrupted saves."""
-        done = complete_checkpoints(self.root)
-        keep = set(done[-self.cfg.keep_last:])
-        if self.cfg.keep_every:
-            keep |= {p for p in done if int(p.name[5:]) % self.cfg.keep_every == 0}
-        for p in done:
-            if p not in keep:
-                shutil.rmtree(p, ignore_errors=True)
-        for p in self.root.iterdir():
-            if p.name.startswith((".partial_", ".trash_", ".universal")):
-                shutil.rmtree(p, ignore_errors=True)
-
-    # ------------------------------------------------------------------ resume
-    def resume_path(self) -> Path | None:
-        """The checkpoint to resume from per checkpoint.resume, or None to start fresh."""
-        resume = self.cfg.resume
-        if resume == "none":
-            return None
-        if resume == "auto":
-            found = complete_checkpoints(self.root)
-            return found[-1] if found else None
-        return resolve_checkpoint(resume)
-
-    def verify(self, ckpt: Path) -> dict:
-        """Check the manifest (presence, sizes, checksums spread over ranks) and the model shape;
-        returns meta.json. Raises CheckpointError naming what is wrong, on every rank."""
-        problem = None
-        try:
-            manifest = json.loads((ckpt / "manifest.json").read_text())["files"]
-        except (OSError, json.JSONDecodeError, KeyError) as e:
-            manifest, problem = {}, f"checkpoint {ckpt}: manifest.json unreadable ({e})"
-        names = sorted(manifest)
-        for name in _my_share(names, self.env.rank, self.env.world_size):
-            path, want = ckpt / name, manifest[name]
-            if not path.is_file():
-                problem = f"checkpoint {ckpt} is missing {name}"
-            elif path.stat().st_size != want["size"]:
-                problem = f"checkpoint {ckpt}: {name} has {path.stat().st_size} bytes, expected {want['size']} (truncated?)"
-            elif _sha256(path) != want["sha256"]:
-                problem = f"checkpoint {ckpt}: {name} fails its checksum (corrupt)"
-            if problem:
-                break
-        problems = [p for p in distributed.all_gather_objects(problem) if p]
-        if problems:
-            raise CheckpointError(problems[0])
+    def _usable_meta(self, ckpt: Path, optimizer: bool) -> dict:
+        """meta.json of an intact checkpoint, if this run can load it (raises on every rank if not):
+        the same model shape; to load the optimizer shards also this format and the same ZeRO
+        stage. Other data or another tokenizer is caught by the data position's own check."""
         meta = read_meta(ckpt)
-        check_shape(ckpt, meta, self.model_args)
+        ours = model_shape(self.model_args)
+        diff = [f"{k}: checkpoint {meta['model_shape'].get(k)} vs config {v}"
+                for k, v in ours.items() if meta["model_shape"].get(k) != v]
+        if diff:
+            raise collective(CheckpointError(f"checkpoint {ckpt} has another model shape ({'; '.join(diff)}): "
+                                              "use the model config it was saved with"))
+        if not optimizer:
+            return meta
+        if meta.get("format", 1) != FORMAT:
+            raise collective(CheckpointError(
+                f"checkpoint {ckpt} has format {meta.get('format', 1)}, written by an older pretrain: this "
+                "version cannot resume it, but checkpoint.init_from and `pretrain export` read its weights"))
+        if meta.get("zero_stage", self.zero_stage) != self.zero_stage:
+            raise collective(CheckpointError(
+                f"checkpoint {ckpt} was saved with ZeRO stage {meta['zero_stage']}, this run uses "
+                f"{self.zero_stage}: set distributed.zero_stage={meta['zero_stage']} to resume "
+                "(checkpoint.init_from loads its weights at any stage)"))
         return meta
 
-    def check_resumable(self, ckpt: Path, meta: dict) -> None:
-        """Loading shards and optimizer state needs the same ZeRO stage (shard layout). (Other data
-        or another tokenizer is caught by the data position's own fingerprint check.)"""
-        stage = self.run_config["distributed"]["zero_stage"]
-        if meta.get("zero_stage", stage) != stage:
-            raise CheckpointError(f"checkpoint {ckpt} was saved with ZeRO stage {meta['zero_stage']}, this run "
-                                  f"uses {stage}: set distributed.zero_stage={meta['zero_stage']} to resume "
-                                  f"(checkpoint.init_from loads its weights at any stage)")
+    def _resume_from(self, ckpt: Path) -> Start:
+        problem = self._corruption(ckpt)
+        if problem:
+            raise collective(CheckpointError(problem))
+        meta = self._usable_meta(ckpt, optimizer=True)
+        log.info("resuming from %s (step %d)", ckpt, meta["step"])
+        return Start("resume", meta["run_id"], ckpt, meta, meta["step"])
 
-    @staticmethod
-    def load_data_position(ckpt: Path, loader) -> None:
-        """Position the data loader; raises DataError if the data or tokenizer differ (unless forced)."""
-        loader.load_state_dict(json.loads((ckpt / "data_state.json").read_text()))
+    def _latest_good(self) -> Start | None:
+        """checkpoint.resume=auto: the newest intact checkpoint. Newer broken ones are named and set
+        aside; step folders but none intact is an error, never a silent fresh start."""
+        folders = distributed.on_main(step_folders, self.root)
+        bad = []
+        for ckpt in reversed(folders):
+            problem = self._corruption(ckpt)
+            if problem is not None:
+                bad.append((ckpt, problem))
+                continue
+            meta = self._usable_meta(ckpt, optimizer=True)
+            for old, why in bad:
+                self._set_aside(old, "corrupt")
+                log.warning("warning: not resuming from %s: %s; it is moved to %s", old.name, why,
+                            self.root / "set_aside")
+            log.info("resuming from %s (step %d)%s", ckpt, meta["step"],
+                     f", the newest intact checkpoint of {len(folders)}" if bad else "")
+            return Start("resume", meta["run_id"], ckpt, meta, meta["step"])
+        if bad:
+            raise collective(CheckpointError(
+                f"no usable checkpoint in {self.root}: " + "; ".join(p for _, p in bad)
+                + ": restore them, or move them away to start fresh"))
+        return None
 
-    def universal_dir(self, ckpt: Path) -> Path:
-        """Convert `ckpt` to DeepSpeed's universal format (rank 0; cached), for another world size."""
-        out = self.root / ".universal" / ckpt.name
-        if self.env.is_main and not (out / "done").is_file():
-            shutil.rmtree(out, ignore_errors=True)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt),
-                   "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1"]
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode != 0:
-                tail = (result.stderr or result.stdout).strip().splitlines()[-1:]
-                raise CheckpointError(f"could not convert {ckpt} for world size {self.env.world_size}: {tail}")
-            (out / "done").write_text("ok")
+    def _finetune_start(self, run_id: str) -> Start:
+        c = self.cfg
+        ckpt = distributed.on_main(resolve_checkpoint, c.init_from)
+        problem = self._corruption(ckpt)
+        if problem:
+            raise collective(CheckpointError(problem))
+        meta = self._usable_meta(ckpt, optimizer=c.init_load_optimizer)
+        log.info("fine-tuning from %s (step %d)", ckpt, meta["step"])
+        return Start("finetune", run_id, ckpt, meta, meta["step"] if c.init_keep_step else 0)
+
+    def _set_aside_newer(self, start: Start) -> None:
+        """Resuming from an older checkpoint of this run dir: the newer ones are another history.
+        They move to set_aside/ (kept), so that rotation and later resumes never mix the two."""
+        if start.path.parent.resolve() != self.root.resolve():
+            return
+        newer = [p for p in distributed.on_main(step_folders, self.root) if p.name > start.path.name]
+        for p in newer:
+            self._set_aside(p, f"after_{start.path.name}")
+            log.warning("warning: %s is newer than the checkpoint resumed from: set aside in %s", p.name,
+                        self.root / "set_aside")
+
+    def _set_aside(self, ckpt: Path, reason: str) -> None:
+        if self.env.is_main:
+            dest = self.root / "set_aside" / f"{ckpt.name}.{reason}.{time.strftime('%Y%m%d-%H%M%S')}"
+            dest.parent.mkdir(exist_ok=True)
+            ckpt.rename(dest)
+            fsync_dir(self.root)
+            latest = self._newest_complete()
+            if latest is not None:
+                write_atomic(self.root / "latest", latest.name)
+            else:
+                (self.root / "latest").unlink(missing_ok=True)
         distributed.barrier()
-        return out
 
-    def load(self, ckpt: Path, meta: dict, engine, *, load_rng: bool = True,
-             load_scheduler: bool = True) -> None:
-        """Restore the engine (weights, optimizer, LR schedule) and, with load_rng, this rank's RNG.
-        At another world size, through DeepSpeed's universal checkpoint (the engine must have been
-        built with checkpoint.load_universal)."""
+    def _newest_complete(self) -> Path | None:
+        done = complete_checkpoints(self.root)
+        return done[-1] if done else None
+
+    def check_data(self, start: Start, loader) -> None:
+        """Before the model is built: does the saved data position fit this run's data?"""
+        if start.kind == "resume":
+            loader.check_state(start.read_state("data"))
+
+    # ------------------------------------------------------------------ tracked state
+    def track(self, engine=None, **states) -> None:
+        """Register what a checkpoint holds: the DeepSpeed engine and named stateful objects."""
+        if engine is not None:
+            self.engine = engine
+            self._recorder = _RecordingEngine(engine)
+        self.states.update(states)
+
+    def restore(self, start: Start) -> None:
+        """Bring everything tracked back to `start` in one call: for a resume the engine (weights,
+        optimizer) and every state; for fine-tuning the optimizer (init_load_optimizer) and the
+        step (init_keep_step); the weights of a fine-tune are loaded when the model is built."""
+        if start.kind == "fresh":
+            return
+        t0 = time.perf_counter()
+        if start.kind == "finetune":
+            if self.cfg.init_load_optimizer:
+                self._load_engine(start)
+            self.states["trainer"].load_state_dict({"step": start.step})
+            return
+        self._load_engine(start)
+        for name, obj in self.states.items():
+            state = start.read_state(name)
+            if state is None:
+                raise collective(CheckpointError(f"checkpoint {start.path} has no {name}_state.json"))
+            obj.load_state_dict(state)
+        self.timings["load_s"] = time.perf_counter() - t0
+        log.info("resumed from %s at step %d%s", start.path, start.step,
+                 f" (saved at world size {start.meta['world_size']})" if start.universal(self.env.world_size) else "")
+
+    def _load_engine(self, start: Start) -> None:
+        """Weights, optimizer state (and their hyperparameters) from DeepSpeed's shards; at another
+        world size through DeepSpeed's universal checkpoint (the engine was built with
+        checkpoint.load_universal)."""
+        engine, ckpt = self.engine, start.path
         load_dir, tag = ckpt.parent, ckpt.name
-        universal = meta["world_size"] != self.env.world_size
+        universal = start.universal(self.env.world_size)
         if universal:
-            folder = self.universal_dir(ckpt)
+            folder = self._universal_dir(ckpt)
             load_dir, tag = folder.parent, folder.name
         groups = engine.optimizer.param_groups
         hyper = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in groups]
         path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
-                                         load_lr_scheduler_states=load_scheduler)
+                                         load_lr_scheduler_states=False)
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load {ckpt}")
         if universal:
@@ -265,11 +435,154 @@ class CheckpointManager:
             for state in engine.optimizer.optimizer.state.values():
                 if torch.is_tensor(state.get("step")):
                     state["step"] = state["step"].clone()
-        if not load_rng:
-            return
-        rng = torch.load(ckpt / "rng_states.pt", weights_only=True)
-        if len(rng) == self.env.world_size:
-            torch.set_rng_state(rng[self.env.rank])
+
+    def _universal_dir(self, ckpt: Path) -> Path:
+        """Convert `ckpt` to DeepSpeed's universal format (rank 0; cached), for another world size."""
+        out = self.root / ".universal" / ckpt.name
+        problem = None
+        if self.env.is_main and not (out / "done").is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt),
+                   "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                tail = (result.stderr or result.stdout).strip().splitlines()[-1:]
+                problem = f"could not convert {ckpt} for world size {self.env.world_size}: {tail}"
+            else:
+                (out / "done").write_text("ok")
+        problem = distributed.broadcast_object(problem)
+        if problem:
+            raise collective(CheckpointError(problem))
+        return out
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int) -> Path:
+        """Save every tracked state as step_XXXXXXXX (collective). Raises CheckpointError on every
+        rank if any rank failed to write; the partial folder is then removed."""
+        env, final = self.env, self.root / step_dir_name(step)
+        partial = self.root / f".partial_{step_dir_name(step)}"
+        self._warn_if_low_on_space()
+        errors = self._recorder.errors
+        errors.clear()
+        if env.is_main:
+            try:
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir(parents=True)
+            except OSError as e:
+                errors.append((str(partial), e))
+        if not any(distributed.all_gather_objects(bool(errors))):
+            self.engine.save_checkpoint(str(self.root), tag=partial.name, save_latest=False)
+        states = {name: obj.state_dict() for name, obj in self.states.items()}  # collective gathers
+        if env.is_main and not errors:
+            try:
+                self._write_own_files(partial, step, states)
+            except OSError as e:
+                errors.append((str(partial), e))
+        distributed.barrier()
+        sums = {}
+        if not errors:
+            try:
+                files = sorted(p for p in partial.rglob("*") if p.is_file())
+                sums = {str(p.relative_to(partial)): {"size": p.stat().st_size, "sha256": _sha256(p, sync=True)}
+                        for p in _my_share(files, env.rank, env.world_size)}
+            except OSError as e:
+                errors.append((str(partial), e))
+        reports = distributed.all_gather_objects(
+            (sums, _describe_failure(errors) if errors else None))
+        failures = [(r, f) for r, (_, f) in enumerate(reports) if f]
+        if failures:
+            self._fail(partial, step, failures)
+        manifest = {k: v for part, _ in reports for k, v in part.items()}
+        try:
+            distributed.on_main(self._publish, partial, final, manifest)
+        except OSError as e:  # raised on every rank alike
+            self._fail(partial, step, [(0, _describe_failure([(str(partial), e)]))])
+        self.last_size = sum(v["size"] for v in manifest.values())
+        return final
+
+    def _publish(self, partial: Path, final: Path, manifest: dict) -> None:
+        """Rank 0: the manifest, then the rename that makes the checkpoint visible (durably), then
+        `latest` and rotation."""
+        write_atomic(partial / "manifest.json", json.dumps({"files": manifest}, indent=1))
+        fsync_dir(partial)
+        if final.exists():  # the same step saved before (it can only be this run's: see plan_start)
+            trash = self.root / f".trash_{final.name}"
+            shutil.rmtree(trash, ignore_errors=True)
+            final.rename(trash)
+            partial.rename(final)
+            shutil.rmtree(trash)
+        else:
+            partial.rename(final)
+        fsync_dir(self.root)
+        try:  # the checkpoint is complete and visible: what follows is housekeeping
+            write_atomic(self.root / "latest", final.name)
+            self._rotate()
+        except OSError as e:
+            log.warning("warning: saved %s, but could not update %s or remove old checkpoints (%s)",
+                        final.name, self.root / "latest", e)
+
+    def _write_own_files(self, partial: Path, step: int, states: dict) -> None:
+        import yaml
+
+        for name, state in states.items():
+            (partial / f"{name}_state.json").write_text(json.dumps(state))
+        (partial / "config.yaml").write_text(yaml.safe_dump(self.run_config, sort_keys=False))
+        (partial / "tokenizer.json").write_text(self.tokenizer_json)
+        meta = {"format": FORMAT, "step": step, "run_id": self.run.run_id, "world_size": self.env.world_size,
+                "model_shape": model_shape(self.model_args),
+                "zero_stage": self.zero_stage, "fingerprint": {"tokenizer": self.tokenizer_fingerprint},
+                **self.provenance}
+        (partial / "meta.json").write_text(json.dumps(meta, indent=2))
+
+    def _fail(self, partial: Path, step: int, failures: list) -> None:
+        """Every rank: remove the partial folder, then raise one line naming the cause."""
+        rank, (what, full) = failures[0]
+        if self.env.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+        distributed.barrier()
+        previous = self._newest_complete()
+        kept = f"the previous checkpoint {previous.name} is intact" if previous else "no earlier checkpoint exists"
+        where = f" (rank {rank})" if self.env.world_size > 1 else ""
+        if full:
+            free = shutil.disk_usage(self.root).free / 2**30
+            need = f", it needs about {self.last_size / 2**30:.2f} GiB" if self.last_size else ""
+            message = (f"no space left on the device of {self.root} while saving step {step}{where} "
+                       f"({free:.2f} GiB free{need}): {kept}; the partial save was removed. Free space, then "
+                       "resume with checkpoint.resume=auto")
+        else:
+            message = (f"could not save the checkpoint of step {step}{where}: {what}: {kept}; the partial "
+                       "save was removed")
+        raise collective(CheckpointError(message))
+
+    def _warn_if_low_on_space(self) -> None:
+        if self.env.is_main and self.last_size:
+            free = shutil.disk_usage(self.root).free
+            if free < self.last_size:
+                log.warning("warning: %.2f GiB free on the device of %s, less than the last checkpoint's "
+                            "%.2f GiB: this save will probably fail", free / 2**30, self.root,
+                            self.last_size / 2**30)
+
+    def _rotate(self) -> None:
+        """Keep the newest keep_last complete checkpoints of this run plus every keep_every-th step;
+        remove leftovers of interrupted saves. Checkpoints of another run id are never touched."""
+        done = [p for p in complete_checkpoints(self.root) if self._run_of(p) == self.run.run_id]
+        keep = set(done[-self.cfg.keep_last:])
+        if self.cfg.keep_every:
+            keep |= {p for p in done if int(p.name[5:]) % self.cfg.keep_every == 0}
+        for p in done:
+            if p not in keep:
+                shutil.rmtree(p, ignore_errors=True)
+        for p in self.root.iterdir():
+            if p.name.startswith((".partial_", ".trash_", ".universal")):
+                shutil.rmtree(p, ignore_errors=True)
+
+    @staticmethod
+    def _run_of(ckpt: Path) -> str | None:
+        try:
+            return json.loads((ckpt / "meta.json").read_text()).get("run_id")
+        except (OSError, ValueError):
+            return None
 
 
 def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -289,7 +602,7 @@ def load_weights(model: torch.nn.Module, ckpt: Path, env: distributed.Dist, zero
     missing = [n for n in names if n not in state] if env.is_main else []
     problem = distributed.broadcast_object(f"checkpoint {ckpt} lacks {missing[:3]}" if missing else None)
     if problem:
-        raise CheckpointError(problem)
+        raise collective(CheckpointError(problem))
     import deepspeed
     import torch.distributed as dist
 
@@ -303,12 +616,3 @@ def load_weights(model: torch.nn.Module, ckpt: Path, env: distributed.Dist, zero
                 param.data.copy_(state[name])
             if env.world_size > 1:
                 dist.broadcast(param.data, src=0)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -1,9 +1,18 @@
-"""The `pretrain` command. Subcommands import their heavy dependencies only when they run."""
+"""The `pretrain` command. Subcommands import their heavy dependencies only when they run.
+
+User errors print as one line each (`pretrain: error: ...`) and exit with their code, no traceback.
+Under a launcher with several ranks, an error every rank hit alike prints once, on rank 0; a rank
+that failed alone prints its own. Under torchrun the line also goes to torchrun's error file, so
+its failure report shows it instead of "To enable traceback see ...".
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
 
 from pretrain.errors import USER_ERRORS, ConfigError
 
@@ -15,10 +24,10 @@ def _config_show(args) -> None:
     print(cfg.to_yaml(), end="")
 
 
-def _train(args) -> None:
-    from pretrain.trainer import run
+def _train(args) -> int:
+    from pretrain.train import run
 
-    run(args.config, args.overrides)
+    return run(args.config, args.overrides, args.stop)
 
 
 def _train_tokenizer(args) -> None:
@@ -99,21 +108,52 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _rank() -> int:
+    """This process's rank as the launcher set it (known before any process group exists)."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)) or 0)
+
+
+def _report(lines: list[str], collective: bool) -> None:
+    if not collective or _rank() == 0:
+        for line in lines:
+            print(f"pretrain: error: {line}", file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # torchrun's failure report reads it (the format of torch's own @record)
+        text = "\n".join(f"pretrain: error: {line}" for line in lines)
+        try:
+            with open(error_file, "w") as f:
+                json.dump({"message": {"message": text, "extraInfo": {"py_callstack": text,
+                                                                      "timestamp": str(int(time.time()))}}}, f)
+        except OSError:
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.fn is _train:
+        # First thing: a SIGTERM while torch and DeepSpeed import must not be lost (train.py's
+        # top-level imports are light for this reason).
+        from pretrain.train import StopSignal
+
+        args.stop = StopSignal()
     try:
-        args.fn(args)
+        code = args.fn(args)
     except ConfigError as e:
-        for problem in e.problems:
-            print(f"pretrain: error: {problem}", file=sys.stderr)
+        _report(e.problems, e.collective)
         return e.exit_code
     except USER_ERRORS as e:
-        print(f"pretrain: error: {e}", file=sys.stderr)
+        _report([str(e)], getattr(e, "collective", False))
         return e.exit_code
     except KeyboardInterrupt:
         print("pretrain: interrupted", file=sys.stderr)
         return 130
-    return 0
+    except Exception as e:
+        from pretrain.distributed import PeerFailed
+
+        if isinstance(e, PeerFailed):  # the failing rank printed its own error
+            return e.exit_code
+        raise
+    return code or 0
 
 
 if __name__ == "__main__":

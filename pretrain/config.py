@@ -50,8 +50,10 @@ class TrainConfig:
     activation_checkpointing: int = 0  # 0 = off, 1 = every block, n = every n-th block
     eval_every: int = 0  # steps between validation passes (0 = only at the end; needs data.validation)
     eval_batches: int = 8  # global batches in one validation pass (fixed, the same every run)
-    on_nonfinite: str = "stop"  # non-finite loss: stop (exit with an error) | skip (drop the update)
-    run_dir: str = "runs/default"  # where metrics, configs and checkpoints of this run go
+    on_nonfinite: str = "stop"  # non-finite loss or gradient norm: stop (exit 3) | skip (drop the update)
+    max_consecutive_skips: int = 10  # with on_nonfinite=skip: stop (exit 3) after this many in a row (0 = never)
+    run_dir: str = "runs/default"  # where metrics, configs and checkpoints of this run go; one run owns it
+    overwrite: bool = False  # a fresh run into a run dir holding another run: move that run to run_dir/replaced/
     compile: bool = False  # torch.compile the model
 
 
@@ -133,6 +135,11 @@ class Config:
             out.append(f"schedule.min_lr={s.min_lr} is above optimizer.lr={self.optimizer.lr}")
         if self.checkpoint.keep_last < 1:
             out.append("checkpoint.keep_last must be >= 1 (a run always keeps its latest checkpoint)")
+        if t.max_consecutive_skips < 0:
+            out.append("train.max_consecutive_skips must be >= 0 (0 = no limit)")
+        if t.overwrite and self.checkpoint.resume != "none":
+            out.append(f"train.overwrite=true starts the run over, checkpoint.resume={self.checkpoint.resume} "
+                       "continues it: set only one (a requeued job must never overwrite)")
         if t.eval_every and not self.data.validation:
             out.append("train.eval_every is set but data.validation is empty: add a validation source")
         if world_size is not None and not out:
@@ -144,6 +151,12 @@ class Config:
                 out.append(f"data.num_streams={self.data.num_streams} is not divisible by the world size "
                            f"{world_size}: set data.num_streams to a multiple of it (it is fixed for a run)")
         return out
+
+    def validate(self, world_size: int) -> None:
+        """Raise ConfigError listing every problem of this config at `world_size`."""
+        problems = self.problems(world_size)
+        if problems:
+            raise ConfigError(problems)
 
     def global_batch(self, world_size: int) -> int:
         """Sequences per optimizer step across all ranks."""

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pretrain.errors import collective
+
 
 @dataclass
 class Dist:
@@ -42,7 +44,12 @@ def _env_from_slurm() -> None:
 
 
 def init(backend: str = "auto") -> Dist:
-    """Join (or, alone, create) the process group and pick this rank's device."""
+    """Join (or, alone, create) the process group with `backend` (distributed.backend: auto = nccl
+    on CUDA, gloo on CPU) and pick this rank's device."""
+    if backend == "nccl" and not torch.cuda.is_available():
+        from pretrain.errors import ConfigError
+
+        raise ConfigError("distributed.backend=nccl needs CUDA GPUs and this machine has none: use auto or gloo")
     _env_from_slurm()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
@@ -63,7 +70,18 @@ def init(backend: str = "auto") -> Dist:
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    global _CPU_GROUP
+    # Host-to-host agreement (stop signals) without touching a GPU: a gloo group beside nccl.
+    _CPU_GROUP = dist.new_group(backend="gloo") if backend != "gloo" and dist.get_world_size() > 1 else None
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+_CPU_GROUP = None
+
+
+def cpu_group():
+    """A process group for CPU tensors: a gloo group when the default one is nccl, else the default."""
+    return _CPU_GROUP
 
 
 def _free_port() -> int:
@@ -87,6 +105,57 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+class PeerFailed(Exception):
+    """Raised on the ranks that did not fail when another rank did, so that no rank waits alone in
+    a collective. Never printed: the failing rank prints its own error."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def agree(fn, *args, **kwargs):
+    """Run `fn` on every rank; if it raised on any rank, raise on all of them. A rank's own error is
+    re-raised (marked `collective` when every rank failed with the same message, so the CLI prints
+    it once); the other ranks raise PeerFailed. For the steps every rank runs identically (config,
+    data, checkpoint checks), where a rank that failed alone would leave the others hanging."""
+    error = None
+    try:
+        result = fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
+        error = e
+    described = None if error is None else (str(error), getattr(error, "exit_code", 1))
+    everyone = all_gather_objects(described)
+    failed = [d for d in everyone if d is not None]
+    if not failed:
+        return result
+    if error is None:
+        message, code = failed[0]
+        raise PeerFailed(f"another rank failed: {message}", code)
+    if len(failed) == len(everyone) and len({m for m, _ in failed}) == 1:
+        raise collective(error)
+    raise error
+
+
+def on_main(fn, *args, **kwargs):
+    """Run `fn` on rank 0 only (file-system work on a shared run dir) and return its result on every
+    rank. An error raised there is raised on every rank, marked `collective` (printed once)."""
+    result, error = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it
+            error = e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        try:
+            result, error = broadcast_object((result, error))
+        except Exception:  # an exception that does not pickle: the others still must stop
+            result, error = broadcast_object((result, PeerFailed(f"rank 0 failed: {error}", 1) if error else None))
+    if error is not None:
+        raise collective(error)
+    return result
 
 
 def barrier() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from pretrain.checkpoint import consolidated_state_dict, read_meta, resolve_checkpoint
+from pretrain.checkpoint import consolidated_state_dict, open_checkpoint
 from pretrain.config import config_from_dict
 from pretrain.errors import CheckpointError
 from pretrain.model.hf import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
@@ -40,8 +40,7 @@ def export(checkpoint: str, out_dir: str) -> Path:
     from safetensors.torch import save_file
     from transformers import PreTrainedTokenizerFast
 
-    ckpt = resolve_checkpoint(checkpoint)
-    read_meta(ckpt)
+    ckpt, _ = open_checkpoint(checkpoint)  # verified against its manifest before anything is read
     args, tokenizer, eot = _checkpoint_parts(ckpt)
     state = to_hf_state_dict(consolidated_state_dict(ckpt), args)
     if args.tie_embeddings:  # safetensors stores a tensor once; HF re-ties lm_head on load
@@ -56,7 +55,7 @@ def export(checkpoint: str, out_dir: str) -> Path:
     eot_token = tokenizer.id_to_token(eot)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eot_token, bos_token=eot_token,
                             unk_token=eot_token).save_pretrained(out)
-    print(f"exported {ckpt} -> {out}")
+    print(f"exported {ckpt} -> {out}", flush=True)
     return out
 
 
@@ -75,7 +74,7 @@ def load_for_inference(path: str, device: str = "cpu"):
         tokenizer = dp.load_tokenizer(str(p / "tokenizer.json"))
         eot = hf_config.eos_token_id
     else:
-        ckpt = resolve_checkpoint(path)
+        ckpt, _ = open_checkpoint(path)
         args, tokenizer, eot = _checkpoint_parts(ckpt)
         state = consolidated_state_dict(ckpt)
     model = Transformer(args)

@@ -10,10 +10,13 @@ compute.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # Dense peak FLOP/s per device for the training precision (no sparsity).
 PEAK_FLOPS = {
@@ -51,8 +54,6 @@ def memory_stats(device: torch.device) -> dict:
 class MetricLogger:
     """The no-op base. `log` takes flat dicts of floats keyed like 'train/loss'."""
 
-    run_id: str | None = None
-
     def log(self, metrics: dict, step: int) -> None:
         pass
 
@@ -61,11 +62,32 @@ class MetricLogger:
 
 
 class JsonlLogger(MetricLogger):
-    """Appends one JSON object per record to run_dir/metrics.jsonl (kept across resumes)."""
+    """Appends one JSON object per record to run_dir/metrics.jsonl, kept across resumes. Records
+    after `keep_until_step` are dropped first: they belong to steps the resumed checkpoint does not
+    hold (a run killed after its last checkpoint), which the resumed run trains and logs again."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, keep_until_step: int = 0):
         self.path = Path(run_dir) / "metrics.jsonl"
+        if self.path.is_file():
+            self._rewind(keep_until_step)
         self.file = open(self.path, "a", buffering=1)
+
+    def _rewind(self, step: int) -> None:
+        lines = self.path.read_text().splitlines()
+        kept = []
+        for line in lines:
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except ValueError:  # a line cut short by a crash
+                pass
+        if len(kept) == len(lines):
+            return
+        from pretrain.rundir import write_atomic
+
+        write_atomic(self.path, "".join(f"{line}\n" for line in kept))
+        log.info("metrics.jsonl: dropped %d records after step %d (logged after the checkpoint resumed from)",
+                 len(lines) - len(kept), step)
 
     def log(self, metrics: dict, step: int) -> None:
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -75,19 +97,19 @@ class JsonlLogger(MetricLogger):
 
 
 class WandbLogger(MetricLogger):
-    """W&B: offline without an API key (sync later with `wandb sync`), resumes a run by id."""
+    """W&B: offline without an API key (sync later with `wandb sync`). The W&B run id is the run's
+    own id (run.json), so every restart of a run, resumed or requeued, continues one W&B run."""
 
     def __init__(self, run_dir: Path, mode: str, project: str, entity: str, name: str,
-                 config: dict, run_id: str | None):
+                 config: dict, run_id: str):
         import wandb
 
         if mode == "auto":
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
         self.wandb = wandb
         self.run = wandb.init(project=project, entity=entity or None, name=name or Path(run_dir).name,
-                              dir=str(run_dir), mode=mode, id=run_id, resume="allow" if run_id else None,
+                              dir=str(run_dir), mode=mode, id=run_id, resume="allow",
                               config=config, settings=wandb.Settings(silent=True, console="off"))
-        self.run_id = self.run.id
         # Scaling-law axes: every train/ and eval/ metric can be plotted against tokens and FLOPs.
         for axis in ("tokens_seen", "flops"):
             self.run.define_metric(axis)
@@ -118,7 +140,7 @@ class WandbLogger(MetricLogger):
 
     def _lost(self, e: Exception) -> None:
         # Slurm's SIGTERM also reaches the wandb service process; metrics.jsonl keeps everything.
-        print(f"pretrain: W&B logging stopped ({type(e).__name__}: {e}); metrics.jsonl continues", flush=True)
+        log.warning("warning: W&B logging stopped (%s: %s); metrics.jsonl continues", type(e).__name__, e)
         self.run = None
 
 
@@ -127,7 +149,6 @@ class Loggers(MetricLogger):
 
     def __init__(self, loggers: list[MetricLogger]):
         self.loggers = loggers
-        self.run_id = next((lg.run_id for lg in loggers if lg.run_id), None)
 
     def log(self, metrics: dict, step: int) -> None:
         for lg in self.loggers:

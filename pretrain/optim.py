@@ -27,6 +27,6 @@ def param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> list[dict]:
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
     # torch's AdamW rather than DeepSpeed's FusedAdam/CPUAdam: no op build at start-up, and it resumes
-    # bitwise (FusedAdam drifts ~5e-7 after a load, see shared FACTS); fused on CUDA for speed.
+    # bitwise (FusedAdam drifted ~5e-7 after a load when we measured it); fused on CUDA for speed.
     return torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=cfg.eps, fused=device.type == "cuda")

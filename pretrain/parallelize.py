@@ -12,7 +12,6 @@ from pretrain.config import Config
 from pretrain.model.args import ModelArgs
 from pretrain.model.model import Transformer
 from pretrain.optim import build_optimizer
-from pretrain.schedule import build_scheduler
 
 
 def resolve_precision(cfg: Config, device: torch.device) -> str:
@@ -84,11 +83,10 @@ def build_model(args: ModelArgs, cfg: Config, ds_config: dict, seed: int) -> Tra
 
 
 def build_engine(model: Transformer, cfg: Config, ds_config: dict, device: torch.device):
-    """deepspeed.initialize with our AdamW and warmup-cosine schedule."""
+    """deepspeed.initialize with our AdamW. No LR scheduler: the trainer sets each step's rate
+    (pretrain/schedule.py)."""
     import deepspeed
 
     optimizer = build_optimizer(model, cfg.optimizer, device)
-    scheduler = build_scheduler(optimizer, cfg)
-    engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
-    return engine, optimizer, scheduler
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    return engine

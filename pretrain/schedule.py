@@ -1,10 +1,14 @@
-"""Learning-rate schedule: linear warmup, then cosine decay to a floor."""
+"""Learning-rate schedule: linear warmup, then cosine decay to a floor.
+
+The trainer owns the schedule (DeepSpeed gets no LR scheduler): before each optimizer step it sets
+the rate of that step, `lr_at(step)`, a pure function of the step count. So the logged `train/lr`
+is the rate the step used, a step whose update was dropped (non-finite loss or gradients) still
+moves the schedule on like every other step, and resume needs no scheduler state.
+"""
 
 from __future__ import annotations
 
 import math
-
-import torch
 
 from pretrain.config import Config
 
@@ -18,9 +22,13 @@ def lr_at(step: int, peak: float, warmup: int, decay: int, floor: float) -> floa
     return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR following `lr_at`; its state_dict (the step count) makes resume exact."""
-    s, peak = cfg.schedule, cfg.optimizer.lr
-    decay = s.decay_steps or max(1, cfg.train.max_steps - s.warmup_steps)
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_at(step, peak, s.warmup_steps, decay, s.min_lr) / peak)
+class Schedule:
+    """`schedule(step)` -> the learning rate of 0-based optimizer step `step`."""
+
+    def __init__(self, cfg: Config):
+        s = cfg.schedule
+        self.peak, self.warmup, self.floor = cfg.optimizer.lr, s.warmup_steps, s.min_lr
+        self.decay = s.decay_steps or max(1, cfg.train.max_steps - s.warmup_steps)
+
+    def __call__(self, step: int) -> float:
+        return lr_at(step, self.peak, self.warmup, self.decay, self.floor)

@@ -128,13 +128,17 @@ def test_rotation_and_interrupted_saves(tmp_path):
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step_00000004", "step_00000006", "step_00000008"]
     assert (ckpts / "latest").read_text() == "step_00000008"
     manifest = json.loads((ckpts / "step_00000008" / "manifest.json").read_text())["files"]
-    assert {"meta.json", "data_state.json", "tokenizer.json", "rng_states.pt"} <= set(manifest)
+    assert {"meta.json", "data_state.json", "trainer_state.json", "rng_state.json", "tokenizer.json"} <= set(manifest)
     # A newer step folder that lost its manifest (a kill between write and rename cannot produce
-    # it, but a user copy can): resume=auto must skip it.
+    # it, but a user copy can): resume=auto says so, resumes from the newest intact one and moves
+    # the broken one aside (kept, out of rotation and of later resumes).
     shutil.copytree(ckpts / "step_00000008", ckpts / "step_00000012")
     (ckpts / "step_00000012" / "manifest.json").unlink()
     proc = run_train(BASE + ["train.max_steps=9", "checkpoint.resume=auto", f"train.run_dir={run}"])
     assert "resumed from" in proc.stdout and "step_00000008" in proc.stdout
+    assert "not resuming from step_00000012" in proc.stdout and "no manifest.json" in proc.stdout
+    [aside] = (ckpts / "set_aside").iterdir()
+    assert aside.name.startswith("step_00000012.corrupt")
 
 
 @pytest.fixture(scope="module")
@@ -225,4 +229,5 @@ def test_resume_continues_the_same_wandb_run(tmp_path):
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and len({r.name.rsplit("-", 1)[1] for r in runs}) == 1  # one run id
     meta = json.loads((tmp_path / "checkpoints" / "step_00000004" / "meta.json").read_text())
-    assert runs[0].name.endswith(meta["wandb_run_id"])
+    assert runs[0].name.endswith(meta["run_id"])
+    assert json.loads((tmp_path / "run.json").read_text())["run_id"] == meta["run_id"]

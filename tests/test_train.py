@@ -130,6 +130,8 @@ def test_wandb_offline_run_logs_scaling_law_fields(tmp_path):
     assert values["train"].get("value", values["train"])["max_steps"] == 4  # the resolved config
     assert scaling["n_params"] > scaling["n_params_non_embedding"] > 0
     assert scaling["flops_per_token"] > 6 * scaling["n_params_non_embedding"]
+    provenance = values["provenance"].get("value", values["provenance"])  # which code trained it
+    assert provenance["pretrain_version"] and "git_commit" in provenance
     metrics = {(r.metric.name or r.metric.glob_name): r.metric.step_metric
                for r in records if r.WhichOneof("record_type") == "metric"}
     assert metrics["train/*"] == "tokens_seen" and metrics["compute/*"] == "flops"

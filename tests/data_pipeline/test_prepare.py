@@ -94,3 +94,11 @@ def test_prepare_several_sources(corpus, tmp_path, tok):
     dirs = prepare(cfg, tmp_path / "prep", num_proc=1)
     assert [d.name for d in dirs] == ["source-0", "source-1", "validation-0"]
     assert all((d / "meta.json").exists() for d in dirs)
+
+
+def test_a_prepared_dir_of_another_format_is_refused(corpus, tmp_path):
+    [out] = prepare(data_cfg(corpus), tmp_path / "prep", num_proc=1)
+    meta = json.loads((out / "meta.json").read_text())
+    (out / "meta.json").write_text(json.dumps({**meta, "format": "pretrain-tokens/9"}))
+    with pytest.raises(DataError, match="has format 'pretrain-tokens/9', this pretrain reads 'pretrain-tokens/1'"):
+        resolve_source(SourceConfig(path=str(out)))

@@ -83,3 +83,15 @@ def test_state_mismatches(corpus, tmp_path, tok):
         build_loader(cfg, tok, 0, 2, 3).load_state_dict(state)
     with pytest.raises(DataError, match="not divisible by the world size 3"):
         build_loader(cfg, tok, 0, 3, 3)
+
+
+def test_a_state_of_another_version_is_refused(tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", make_docs(200, seed=1))
+    tok = "builtin:python-docs-bpe"
+    loader = build_loader(data_cfg(corpus), tok, 0, 1, 3)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    state["version"] = 99
+    with pytest.raises(DataError, match="version 99, this pretrain reads version 1"):
+        build_loader(data_cfg(corpus), tok, 0, 1, 3).load_state_dict(state)

@@ -120,3 +120,54 @@ def test_bad_sources(tmp_path):
         resolve_source(SourceConfig(path=str(tmp_path / "x.csv")))
     with pytest.raises(DataError, match="kind='csv'"):
         resolve_source(SourceConfig(path=str(tmp_path / "x.csv"), kind="csv"))
+
+
+def test_binary_files_given_as_text_are_refused(tmp_path):
+    """Once: a binary file read as text trained on garbage without a word."""
+    import os
+
+    blob = os.urandom(50_000)
+    (tmp_path / "model.bin.txt").write_bytes(blob.replace(b"\x00", b"\x01") + b"\x00" + blob)
+    with pytest.raises(DataError, match=r"model.bin.txt\) looks binary, not text \(it contains NUL bytes\)"):
+        resolve_source(SourceConfig(path=str(tmp_path / "model.bin.txt")))
+    (tmp_path / "latin.txt").write_bytes(blob.replace(b"\x00", b"\x01")[:20_000])  # no NUL, not UTF-8
+    with pytest.raises(DataError, match=r"looks binary, not text \(\d+% of its first characters are not UTF-8\)"):
+        resolve_source(SourceConfig(path=str(tmp_path / "latin.txt")))
+    with gzip.open(tmp_path / "packed.txt.gz", "wb") as f:
+        f.write(b"text\n\n" + blob)
+    with pytest.raises(DataError, match="packed.txt.gz.*looks binary"):
+        resolve_source(SourceConfig(path=str(tmp_path / "packed.txt.gz")))
+    write_jsonl(tmp_path / "nul.jsonl", ["fine", "bad\x00" * 10])
+    with pytest.raises(DataError, match=r"nul.jsonl.*looks binary"):  # documents are checked too
+        resolve_source(SourceConfig(path=str(tmp_path / "nul.jsonl")))
+
+
+def test_local_files_have_a_held_out_split_or_refuse_one(tmp_path):
+    """Once: `split: validation` on a local file was ignored, so "held-out" eval ran on training data."""
+    docs = make_docs(3000, seed=5)
+    path = str(write_jsonl(tmp_path / "a.jsonl", docs))
+    with pytest.raises(DataError, match="split: validation, but local files have no validation split.*holdout"):
+        resolve_source(SourceConfig(path=path, split="validation"))
+    with pytest.raises(DataError, match="split='test'"):
+        resolve_source(SourceConfig(path=path, split="test"))
+    train = all_docs(resolve_source(SourceConfig(path=path, holdout=0.05)))
+    held = all_docs(resolve_source(SourceConfig(path=path, split="validation", holdout=0.05)))
+    assert sorted(train + held) == sorted(docs) and not set(train) & set(held)
+    assert 0.03 < len(held) / len(docs) < 0.07
+    # the same documents whatever stream reads them
+    src = resolve_source(SourceConfig(path=path, split="validation", holdout=0.05))
+    strided = sorted(t for phase in range(3) for _, t in src.docs(0, step=3, phase=phase))
+    assert strided == sorted(held)
+
+
+def test_a_held_out_split_must_be_held_out_of_training_too():
+    from data_pipeline.config import DataConfig
+
+    cfg = DataConfig(sources=[SourceConfig(path="a.jsonl")],
+                     validation=[SourceConfig(path="a.jsonl", split="validation", holdout=0.01)])
+    [problem] = cfg.problems()
+    assert "held out with holdout=0.01" in problem and "training source has holdout=0.0" in problem
+    cfg.sources[0].holdout = 0.01
+    assert cfg.problems() == []
+    with pytest.raises(DataError, match="holdout is for local files"):
+        resolve_source(SourceConfig(path="builtin:python-docs", holdout=0.1))

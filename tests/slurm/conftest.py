@@ -1,7 +1,7 @@
 """A real two-node Slurm cluster on this machine, for the tests of `slurm/`.
 
 `slurm_cluster` (session-scoped) starts Debian's Slurm 22.05 and munge as root, every path under a
-temporary directory and all traffic on 127.0.0.1 (facts in /work/shared/SLURM_TESTING.md, overview in
+temporary directory and all traffic on 127.0.0.1 (overview in
 docs/slurm.md, "The test cluster"):
 
 - munged with its own key, socket, pid and log file;

@@ -1,0 +1,246 @@
+"""`pretrain train CONFIG [overrides]`: the process entry point under any launcher.
+
+One path: load the config, create the process group from it, open the run dir (lock, ownership),
+decide the start point, build data, model and engine, restore, train; loggers, the run dir lock and
+the process group are closed on every way out. The Trainer (trainer.py) does the steps; this module
+owns signals, exit codes and the Slurm requeue.
+
+Exit codes: 0 done; 2 a user error (config, data, checkpoint, run dir, a failed save); 3 a
+non-finite step with train.on_nonfinite=stop (or too many in a row with skip); 75 stopped by
+SIGTERM/SIGUSR1 (after saving a checkpoint when a step had been trained; resume with
+checkpoint.resume=auto).
+
+Only this module's top-level imports run before the signal handler is installed, so they are light.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+log = logging.getLogger(__name__)
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again" - the job is resumable from its checkpoint
+
+
+class StopSignal:
+    """Remembers SIGTERM/SIGUSR1. Installed before anything heavy is imported, so a signal during
+    start-up is never lost: start-up checks it between phases, the trainer once per step (all
+    ranks agree)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signum
+
+    def agreed(self) -> int:
+        """The signal any rank received, 0 for none; SIGTERM (scancel, the hard limit) wins over
+        SIGUSR1 (the warning that requeues). Collective over the CPU group (distributed.cpu_group):
+        host to host, it never waits for a GPU, so the trainer asks after every step."""
+        import torch
+        import torch.distributed as dist
+
+        from pretrain import distributed
+
+        flag = torch.tensor([self.received or 0])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # MAX of the signal numbers: SIGTERM (15) > SIGUSR1 (10)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=distributed.cpu_group())
+        return int(flag.item())
+
+
+class StoppedAtStartup(Exception):
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"received {signal.Signals(signum).name} during start-up: stopped before training, "
+                         "nothing to save")
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 prints info lines (above the progress bar); other ranks only errors."""
+    handler = _TqdmHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    for name in ("pretrain", "data_pipeline"):
+        lg = logging.getLogger(name)
+        lg.handlers = [handler]
+        lg.setLevel(logging.INFO if rank == 0 else logging.ERROR)
+        lg.propagate = False
+
+
+class _TqdmHandler(logging.Handler):
+    def emit(self, record):
+        try:
+            msg = self.format(record)
+            if "tqdm" in sys.modules:  # a bar may be on screen: print above it
+                from tqdm import tqdm
+
+                tqdm.write(msg, file=sys.stdout)
+            else:
+                sys.stdout.write(msg + "\n")
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001 - logging must never kill the run
+            self.handleError(record)
+
+
+def run(config_path: str, overrides: list[str], stop: StopSignal) -> int:
+    """Train; returns the exit code for a stop by signal (75) or success (0), raises UserError
+    subclasses for user mistakes (the CLI prints them)."""
+    setup_logging(int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))))
+    from pretrain.config import load_config
+
+    cfg = load_config(config_path, overrides)
+    if stop.received:
+        log.info("pretrain: %s; exiting with %d", StoppedAtStartup(stop.received), EXIT_PREEMPTED)
+        return EXIT_PREEMPTED
+    import warnings
+
+    from pretrain import distributed
+
+    # torch.distributed warns at every ZeRO-3 collective that DeepSpeed still calls by its old name.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    env = distributed.init(cfg.distributed.backend)
+    setup_logging(env.rank)
+    try:
+        cfg.validate(env.world_size)
+        summary = _train(cfg, env, stop)
+    except StoppedAtStartup as e:
+        log.info("pretrain: %s; exiting with %d", e, EXIT_PREEMPTED)
+        return EXIT_PREEMPTED
+    finally:
+        distributed.shutdown()
+    if summary is None:  # stopped by a signal after saving
+        return EXIT_PREEMPTED
+    trained = (f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
+               if summary["first_loss"] is not None else "nothing left to train")
+    log.info("done: %d steps, %s%s, run dir %s", summary["final_step"], trained,
+             f", eval loss {summary['eval/loss']:.3f}" if "eval/loss" in summary else "", cfg.train.run_dir)
+    return 0
+
+
+def _train(cfg, env, stop: StopSignal):
+    """The run's summary, or None after a stop by signal (checkpoint saved, requeued). Loggers and
+    the run dir are closed on every way out."""
+    from pretrain import build, distributed
+    from pretrain.checkpoint import CheckpointManager
+    from pretrain.metrics import MetricLogger
+    from pretrain.model.model import flops_per_token, num_params
+    from pretrain.parallelize import resolve_precision
+    from pretrain.rundir import RunDir
+    from pretrain.schedule import Schedule
+    from pretrain.states import DataPosition, RNGState
+    from pretrain.trainer import StopRequested, Trainer
+
+    def check_stop():
+        signum = stop.agreed()
+        if signum:
+            raise StoppedAtStartup(signum)
+
+    check_stop()
+    run_dir = RunDir(cfg.train.run_dir, env)
+    run_dir.open()
+    logger, trainer, start = MetricLogger(), None, None
+    try:
+        tokenizer, model_args = distributed.agree(build.tokenizer_and_model_args, cfg)
+        resolved = cfg.to_dict()
+        resolved["model"]["vocab_size"] = model_args.vocab_size
+        import data_pipeline as dp
+
+        provenance = _provenance()
+        ckpt = CheckpointManager(
+            run_dir, cfg.checkpoint, env, model_args=model_args, zero_stage=cfg.distributed.zero_stage,
+            run_config=resolved, tokenizer_json=tokenizer.to_str(),
+            tokenizer_fingerprint=dp.tokenizer_fingerprint(tokenizer), overwrite=cfg.train.overwrite,
+            provenance=provenance)
+        start = ckpt.plan_start()
+        check_stop()
+        # The data comes before the model: a wrong source, tokenizer or resume position fails in
+        # seconds, not after a large model has been built.
+        loader, val_batches = distributed.agree(build.data, cfg, tokenizer, env)
+        distributed.agree(ckpt.check_data, start, loader)
+        check_stop()
+        precision = resolve_precision(cfg, env.device)
+        load_optimizer = start.kind == "resume" or (start.kind == "finetune" and cfg.checkpoint.init_load_optimizer)
+        weights_only = start.path if start.kind == "finetune" and not cfg.checkpoint.init_load_optimizer else None
+        engine, ds_config = build.engine(cfg, model_args, env, precision,
+                                         universal=load_optimizer and start.universal(env.world_size),
+                                         init_weights_from=weights_only)
+        n_total, n_non_emb = num_params(model_args), num_params(model_args, non_embedding=True)
+        fpt = flops_per_token(model_args, cfg.data.seq_len)
+        scaling = {"n_params": n_total, "n_params_non_embedding": n_non_emb, "flops_per_token": fpt,
+                   "world_size": env.world_size, "precision": precision,
+                   "tokens_per_step": cfg.global_batch(env.world_size) * cfg.data.seq_len}
+        if env.is_main:
+            import json
+
+            (run_dir.path / "config.yaml").write_text(cfg.to_yaml())
+            (run_dir.path / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2))
+        logger = build.loggers(cfg, env, run_dir.path, run_dir.run_id, start.step,
+                               {**resolved, "scaling": scaling, "provenance": provenance})
+        log.info("model: %.2fM parameters (%.2fM non-embedding), %.1f MFLOPs/token | world size %d | %s | "
+                 "ZeRO-%d | global batch %d x %d tokens", n_total / 1e6, n_non_emb / 1e6, fpt / 1e6,
+                 env.world_size, precision, cfg.distributed.zero_stage, cfg.global_batch(env.world_size),
+                 cfg.data.seq_len)
+        trainer = Trainer(cfg, env, engine, loader, val_batches, Schedule(cfg), ckpt, logger, fpt, precision, stop)
+        ckpt.track(engine=engine, trainer=trainer, data=DataPosition(loader), rng=RNGState(env))
+        ckpt.restore(start)
+        if start.kind == "resume":
+            logger.log({f"checkpoint/{k}": v for k, v in ckpt.timings.items()}, start.step)
+        check_stop()
+        try:
+            return trainer.fit()
+        except StopRequested as e:
+            log.info("pretrain: received %s: saved step %d; exiting with %d (resume with checkpoint.resume=auto)",
+                     signal.Signals(e.signum).name, e.step, EXIT_PREEMPTED)
+            # The requeue makes Slurm signal every process of the job: flush W&B before it, and let
+            # no rank exit before it is done (an early exit makes srun/torchrun kill rank 0).
+            logger.close()
+            logger = MetricLogger()
+            distributed.barrier()
+            _requeue_if_slurm(env, e.signum)
+            distributed.barrier()
+            return None
+    finally:
+        logger.close()
+        run_dir.close(trained=trainer is not None and trainer.step > start.step)
+
+
+def _provenance() -> dict:
+    """Which code wrote a run: the package version and, for a git checkout, the commit."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("pretrain")
+    except PackageNotFoundError:
+        ver = "unknown"
+    commit = None
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if out.returncode == 0:
+            commit = out.stdout.strip()
+            dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            commit += "-dirty" if dirty else ""
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"pretrain_version": ver, "git_commit": commit, "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _requeue_if_slurm(env, signum: int) -> None:
+    """Under slurm/pretrain.sbatch (PRETRAIN_REQUEUE=1), SIGUSR1 (the time-limit/preemption warning
+    asked for with --signal) puts the job back in the queue; the rerun resumes from the checkpoint
+    just saved. SIGTERM (scancel, or the end of the time limit) only saves: a cancelled job stays
+    cancelled."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if env.is_main and job and signum == signal.SIGUSR1 and os.environ.get("PRETRAIN_REQUEUE") == "1":
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        # The requeue itself signals every process of the job, scontrol included: -SIGTERM is success.
+        ok = result.returncode in (0, -signal.SIGTERM)
+        log.info("pretrain: scontrol requeue %s: %s", job, "ok" if ok else result.stderr.strip())

@@ -1,0 +1,190 @@
+"""CheckpointManager in one process with a stand-in for the DeepSpeed engine (it writes its shards
+through the engine's checkpoint engine, as DeepSpeed does): durability order, failed saves, rotation
+of this run's checkpoints only, the start point. Real DeepSpeed runs are in test_checkpoint.py."""
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain import distributed
+from pretrain.checkpoint import CheckpointManager, open_checkpoint
+from pretrain.config import CheckpointConfig
+from pretrain.errors import CheckpointError, RunDirError
+from pretrain.model.args import ModelArgs
+from pretrain.rundir import RunDir
+
+ENV = distributed.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+ARGS = ModelArgs(dim=8, n_layers=1, n_heads=2, vocab_size=16)
+
+
+class _TorchEngine:
+    def save(self, state, path):
+        torch.save(state, path)
+
+
+class FakeEngine:
+    """Writes one model and one optimizer shard the way DeepSpeed's save_checkpoint does."""
+
+    def __init__(self, fail_on_save: int = 0):
+        self.checkpoint_engine = _TorchEngine()
+        self.saves, self.fail_on_save = 0, fail_on_save
+
+    def _copy_recovery_script(self, path):
+        Path(path, "zero_to_fp32.py").write_text("# recovery script\n")
+
+    def save_checkpoint(self, root, tag, save_latest):
+        self.saves += 1
+        folder = Path(root) / tag
+        self.checkpoint_engine.save({"w": torch.ones(1000)}, str(folder / "mp_rank_00_model_states.pt"))
+        if self.saves == self.fail_on_save:
+            real = self.checkpoint_engine.inner.save
+
+            def full(state, path):
+                with open(path, "wb") as f:
+                    f.write(b"x" * 100)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.checkpoint_engine.inner.save = full
+            try:
+                self.checkpoint_engine.save({}, str(folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+            finally:
+                self.checkpoint_engine.inner.save = real
+        else:
+            self.checkpoint_engine.save({"m": torch.zeros(1000)},
+                                        str(folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+        self._copy_recovery_script(root)
+
+
+class Counter:
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+
+def manager(run_dir, resume="none", engine=None, **cfg):
+    run = RunDir(run_dir, ENV)
+    run.open()
+    ckpt = CheckpointManager(run, CheckpointConfig(resume=resume, **cfg), ENV, model_args=ARGS, zero_stage=3,
+                             run_config={"distributed": {"zero_stage": 3}}, tokenizer_json="{}",
+                             tokenizer_fingerprint="fp", overwrite=False, provenance={"pretrain_version": "t"})
+    start = ckpt.plan_start()
+    trainer = Counter()
+    ckpt.track(engine=engine or FakeEngine(), trainer=trainer)
+    return run, ckpt, start, trainer
+
+
+def test_a_save_is_durable_before_it_is_visible(tmp_path, monkeypatch):
+    """Every file (shards included) and the folder are fsynced before the rename to step_..., and
+    the parent after it: after a power loss a step_ folder is complete."""
+    events = []
+    real_fsync, real_rename = os.fsync, Path.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(self, target):
+        events.append(("rename", str(self), str(target)))
+        return real_rename(self, target)
+
+    run, ckpt, _, trainer = manager(tmp_path / "run")
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(Path, "rename", rename)
+    trainer.step = 5
+    final = ckpt.save(5)
+    [(i, partial)] = [(i, e[1]) for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(final)]
+    synced_before = {e[1] for e in events[:i] if e[0] == "fsync"}
+    files = {str(Path(partial) / p.name) for p in final.iterdir()}
+    assert files - {str(Path(partial) / "manifest.json")} <= synced_before
+    assert partial in synced_before  # the folder's entries
+    assert ("fsync", str(run.checkpoints)) in events[i + 1:]  # the rename itself
+    open_checkpoint(final)  # and it verifies
+
+
+def test_a_full_disk_removes_the_partial_save_and_keeps_the_previous(tmp_path):
+    run, ckpt, _, trainer = manager(tmp_path / "run", engine=FakeEngine(fail_on_save=2))
+    trainer.step = 1
+    first = ckpt.save(1)
+    trainer.step = 2
+    with pytest.raises(CheckpointError) as e:
+        ckpt.save(2)
+    message = str(e.value)
+    assert "no space left" in message and str(run.checkpoints) in message
+    assert "step_00000001 is intact" in message and "\n" not in message
+    assert sorted(p.name for p in run.checkpoints.iterdir() if p.is_dir()) == ["step_00000001"]
+    assert (run.checkpoints / "latest").read_text() == "step_00000001"
+    open_checkpoint(first)
+
+
+def test_rotation_keeps_checkpoints_of_other_runs(tmp_path):
+    run, ckpt, _, trainer = manager(tmp_path / "run", keep_last=1)
+    trainer.step = 1
+    alien = ckpt.save(1)
+    meta = json.loads((alien / "meta.json").read_text())
+    meta["run_id"] = "someone-else"
+    (alien / "meta.json").write_text(json.dumps(meta))
+    for step in (2, 3):
+        trainer.step = step
+        ckpt.save(step)
+    assert sorted(p.name for p in run.checkpoints.iterdir() if p.is_dir()) == ["step_00000001", "step_00000003"]
+
+
+def test_auto_resume_falls_back_past_a_corrupt_checkpoint_and_says_so(tmp_path, caplog):
+    run, ckpt, _, trainer = manager(tmp_path / "run")
+    for step in (1, 2):
+        trainer.step = step
+        ckpt.save(step)
+    shard = run.checkpoints / "step_00000002" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    run.close(trained=True)
+    caplog.set_level("INFO")
+    run2, _, start, _ = manager(tmp_path / "run", resume="auto")
+    assert start.kind == "resume" and start.step == 1
+    assert "not resuming from step_00000002" in caplog.text and "truncated" in caplog.text
+    assert not (run.checkpoints / "step_00000002").exists()
+    assert [p.name.split(".")[:2] for p in (run.checkpoints / "set_aside").iterdir()] == [["step_00000002", "corrupt"]]
+    assert (run.checkpoints / "latest").read_text() == "step_00000001"
+    run2.close(trained=True)
+
+
+def test_step_folders_but_none_intact_never_start_fresh(tmp_path):
+    run, ckpt, _, trainer = manager(tmp_path / "run")
+    trainer.step = 3
+    ckpt.save(3)
+    (run.checkpoints / "step_00000003" / "manifest.json").unlink()
+    run.close(trained=True)
+    with pytest.raises(CheckpointError, match="no usable checkpoint .*step_00000003 has no manifest.json"):
+        manager(tmp_path / "run", resume="auto")
+    assert (run.checkpoints / "step_00000003").is_dir()
+
+
+def test_a_second_run_on_a_locked_dir_names_the_holder(tmp_path):
+    run, *_ = manager(tmp_path / "run")
+    other = RunDir(tmp_path / "run", ENV)
+    # POSIX locks are per process: a second process is needed to see the first one's lock.
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+
+    def child():
+        try:
+            other.open()
+            q.put("opened")
+        except RunDirError as e:
+            q.put(str(e))
+
+    p = ctx.Process(target=child)
+    p.start()
+    p.join(30)
+    message = q.get(timeout=5)
+    assert f"is in use by pid {os.getpid()} on host {os.uname().nodename}" in message
+    run.close(trained=True)

@@ -1,0 +1,241 @@
+"""Who owns a run dir and what a run may do to it, through the real command: ownership, the lock,
+non-finite steps, verified readers, full disks, start-up signals, failed starts, metrics on resume."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, TINY, losses, read_metrics, run_train, train_env
+
+pytestmark = pytest.mark.slow
+
+O = ["data.seq_len=64", "train.micro_batch_size=4", "data.validation=[]", "train.eval_every=0",
+     "logging.wandb=disabled", "logging.log_every=1", "distributed.param_persistence_threshold=0"]
+
+
+def _tree(path: Path) -> dict:
+    """name -> bytes of every file under path but the lock (to show that nothing changed)."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+def _popen(overrides, **kw):
+    cmd = [sys.executable, "-m", "pretrain", "train", str(TINY), "logging.progress=false", *overrides]
+    return subprocess.Popen(cmd, cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kw)
+
+
+def _one_error_line(proc) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("pretrain: error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+def test_a_fresh_run_refuses_a_dir_holding_another_run(tmp_path):
+    """Once: the fresh run trained, rotation deleted the old run's checkpoints, it died with
+    FileNotFoundError, and resume=auto then continued the old run."""
+    run = tmp_path / "x"
+    run_train(O + [f"train.run_dir={run}", "train.max_steps=20", "checkpoint.every=5"])
+    before = _tree(run)
+    again = O + [f"train.run_dir={run}", "train.max_steps=20", "checkpoint.every=5", "optimizer.lr=1e-3"]
+    proc = run_train(again, check=False)
+    assert proc.returncode == 2
+    line = _one_error_line(proc)
+    assert f"run dir {run} holds run" in line and "checkpoint.resume=auto" in line and "train.overwrite" in line
+    assert _tree(run) == before  # nothing written, nothing deleted
+    # An explicit overwrite moves the old run aside (never deletes it) and starts a new run.
+    old_id = json.loads((run / "run.json").read_text())["run_id"]
+    run_train(again + ["train.overwrite=true"])
+    moved = run / "replaced" / old_id
+    assert _tree(moved) == before
+    new_id = json.loads((run / "run.json").read_text())["run_id"]
+    assert new_id != old_id
+    assert sorted(r["step"] for r in read_metrics(run) if "train/loss" in r) == list(range(1, 21))
+
+
+def test_a_second_run_on_the_same_dir_refuses_naming_the_holder(tmp_path):
+    first = _popen(O + [f"train.run_dir={tmp_path}", "train.max_steps=100000"])
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "metrics.jsonl").exists():
+            assert first.poll() is None and time.time() < deadline, first.communicate()
+            time.sleep(0.1)
+        second = run_train(O + [f"train.run_dir={tmp_path}", "checkpoint.resume=auto"], check=False)
+        assert second.returncode == 2
+        line = _one_error_line(second)
+        assert f"is in use by pid {first.pid} on host {socket.gethostname()}" in line
+        assert first.poll() is None  # the first run is unharmed
+    finally:
+        first.kill()
+        first.communicate()
+
+
+def test_an_overflow_with_a_finite_loss_stops_and_keeps_the_checkpoint(tmp_path):
+    """lr=30: step 1 is fine and saved; from step 2 the loss is finite but the gradients are not.
+    Once: DeepSpeed skipped every step silently, the run exited 0, rotation deleted step 1."""
+    bad = O + ["optimizer.lr=30", "schedule.warmup_steps=0", "schedule.min_lr=0", "train.max_steps=6",
+               "checkpoint.every=1", "checkpoint.keep_last=1"]
+    proc = run_train(bad + [f"train.run_dir={tmp_path}/stop"], check=False)
+    assert proc.returncode == 3
+    assert "gradient norm is inf at step 2: stopped before the update" in _one_error_line(proc)
+    assert [p.name for p in (tmp_path / "stop" / "checkpoints").glob("step_*")] == ["step_00000001"]
+    # skip: counted, and too many in a row stop the run (exit 3) with the last checkpoint intact.
+    proc = run_train(bad + [f"train.run_dir={tmp_path}/skip", "train.on_nonfinite=skip",
+                            "train.max_consecutive_skips=3"], check=False)
+    assert proc.returncode == 3
+    assert "3 non-finite steps in a row" in _one_error_line(proc)
+    records = [r for r in read_metrics(tmp_path / "skip") if "train/loss" in r]
+    assert [r["train/skipped_steps"] for r in records] == [0, 1, 2]  # step 4's record never logged: it stopped
+    assert [p.name for p in (tmp_path / "skip" / "checkpoints").glob("step_*")] == ["step_00000003"]
+
+
+def test_skipped_steps_advance_the_schedule_and_log_the_rate_they_used(tmp_path):
+    from pretrain.config import load_config
+    from pretrain.schedule import Schedule
+
+    over = O + ["optimizer.lr=1e30", "schedule.warmup_steps=2", "schedule.decay_steps=4", "train.max_steps=5",
+                "train.on_nonfinite=skip", "schedule.min_lr=0"]
+    run_train(over + [f"train.run_dir={tmp_path}"])
+    schedule = Schedule(load_config(TINY, over))
+    records = [r for r in read_metrics(tmp_path) if "train/loss" in r]
+    assert [r["train/skipped_steps"] for r in records] == [0, 1, 2, 3, 4]
+    assert [r["train/lr"] for r in records] == [schedule(s) for s in range(5)]  # 0-based step s is step s+1
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_export_and_generate_verify_the_checkpoint_first(tmp_path, damage):
+    run_train(O + [f"train.run_dir={tmp_path}/run", "train.max_steps=1"])
+    shard = tmp_path / "run" / "checkpoints" / "step_00000001" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    data = bytearray(shard.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+    else:
+        data = data[:len(data) // 2]
+    shard.write_bytes(bytes(data))
+    for args in (["export", f"{tmp_path}/run", f"{tmp_path}/hf"], ["generate", f"{tmp_path}/run"]):
+        proc = subprocess.run([sys.executable, "-m", "pretrain", *args], cwd=REPO, env=train_env(),
+                              capture_output=True, text=True)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        line = _one_error_line(proc)
+        assert ("fails its checksum" if damage == "flip" else "truncated") in line
+    assert not (tmp_path / "hf").exists()
+
+
+def _can_mount_tmpfs() -> bool:
+    probe = subprocess.run(["unshare", "--mount", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root to mount a tmpfs")
+def test_a_full_disk_during_a_save(tmp_path):
+    """A 36 MiB file system fits one 22 MB checkpoint, not two. Once: a 40-line traceback that never
+    said the disk was full, and a partial folder left to keep it full."""
+    if not _can_mount_tmpfs():
+        pytest.skip("cannot mount a tmpfs here")
+    small, out = tmp_path / "small", tmp_path / "out"
+    small.mkdir()
+    train = [sys.executable, "-m", "pretrain", "train", str(TINY), "logging.progress=false", *O,
+             f"train.run_dir={small}/run", "train.max_steps=4", "checkpoint.every=2", "checkpoint.keep_last=2"]
+    script = (f"mount -t tmpfs -o size=36m tmpfs {small} && "
+              f"{' '.join(train)} > {tmp_path}/stdout 2> {tmp_path}/stderr; echo $? > {tmp_path}/rc; "
+              f"cp -a {small}/run {out}")
+    subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], cwd=REPO,
+                   env=train_env(), check=True, timeout=300)
+    rc = int((tmp_path / "rc").read_text())
+    stderr = (tmp_path / "stderr").read_text()
+    assert rc == 2, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("pretrain: error:")]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert "no space left on the device of" in lines[0] and "step_00000002 is intact" in lines[0]
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step_00000002"]  # no .partial_ left
+    from pretrain.checkpoint import open_checkpoint
+
+    open_checkpoint(ckpts / "step_00000002")  # intact
+
+
+def test_resume_from_an_older_checkpoint_does_not_repeat_steps(tmp_path):
+    run_train(O + [f"train.run_dir={tmp_path}", "train.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=5"])
+    ref = losses(tmp_path)
+    proc = run_train(O + [f"train.run_dir={tmp_path}", "train.max_steps=6", "checkpoint.every=2",
+                          f"checkpoint.resume={tmp_path}/checkpoints/step_00000004"])
+    assert "step_00000006 is newer than the checkpoint resumed from" in proc.stdout
+    steps = [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]  # once each
+    assert losses(tmp_path) == ref  # and the same history
+    [aside] = (tmp_path / "checkpoints" / "set_aside").iterdir()
+    assert aside.name.startswith("step_00000006.after_step_00000004")
+
+
+def test_failed_starts_leave_no_run_dir(tmp_path):
+    proc = run_train(O + [f"train.run_dir={tmp_path}/new", f"data.sources=[{{path: {tmp_path}/missing.txt}}]"],
+                     check=False)
+    assert proc.returncode == 2 and "does not exist" in _one_error_line(proc)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "existing").mkdir()
+    proc = run_train(O + [f"train.run_dir={tmp_path}/existing", "model.vocab_size=10"], check=False)
+    assert proc.returncode == 2 and "smaller than the tokenizer" in _one_error_line(proc)
+    assert [p.name for p in (tmp_path / "existing").iterdir()] in ([], [".lock"])
+    # and the failed start did not claim the dir: a corrected run starts there
+    run_train(O + [f"train.run_dir={tmp_path}/existing", "train.max_steps=1"])
+
+
+def test_sigterm_during_start_up_says_so_and_exits_75(tmp_path):
+    """Once: killed during imports with exit 143 and nothing printed."""
+    proc = _popen(O + [f"train.run_dir={tmp_path}/run"], start_new_session=True)
+    # Wait until the handler is installed (bit 15 of the caught-signals mask), then signal at once:
+    # torch, DeepSpeed and the model are still being imported and built.
+    deadline = time.time() + 60
+    while True:
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt")), 16)
+        if caught & (1 << (signal.SIGTERM - 1)):
+            break
+        assert time.time() < deadline
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-2000:]
+    assert "received SIGTERM during start-up: stopped before training" in out + err
+    assert not (tmp_path / "run").exists()  # nothing trained, nothing left
+
+
+def test_config_error_under_torchrun_prints_once(tmp_path):
+    proc = run_train(["train.max_step=5", f"train.run_dir={tmp_path}"], nproc=2, check=False)
+    assert proc.returncode != 0  # torchrun reports any failed worker as its own exit 1
+    assert proc.stderr.count("pretrain: error: unknown key 'train.max_step'") == 1 + proc.stderr.count("traceback :")
+    assert "exitcode  : 2" in proc.stderr  # each worker exited with 2; torchrun's report shows our line
+
+
+def test_backend_from_the_yaml_is_used(tmp_path):
+    """Once: only a command-line override was read; the YAML's backend was ignored."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: nccl works")
+    cfg = tmp_path / "nccl.yaml"
+    cfg.write_text(f"extends: {TINY}\ndistributed:\n  backend: nccl\n")
+    proc = run_train(O + [f"train.run_dir={tmp_path}/run"], config=cfg, check=False)
+    assert proc.returncode == 2 and "distributed.backend=nccl needs CUDA" in _one_error_line(proc)
+
+
+def test_checkpoints_and_run_json_name_the_code_that_wrote_them(tmp_path):
+    run_train(O + [f"train.run_dir={tmp_path}", "train.max_steps=1"])
+    from importlib.metadata import version
+
+    meta = json.loads((tmp_path / "checkpoints" / "step_00000001" / "meta.json").read_text())
+    run = json.loads((tmp_path / "run.json").read_text())
+    for record in (meta, run):
+        assert record["pretrain_version"] == version("pretrain")
+        assert record["git_commit"] is None or len(record["git_commit"].split("-")[0]) == 40
+    assert meta["run_id"] == run["run_id"] and meta["format"] == 2
