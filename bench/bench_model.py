@@ -5,14 +5,18 @@ logits -> cross-entropy -> backward, timed alternately in one process so that ma
 hits both alike. Prints tokens/s for each and the ratio (ours / HF; above 1 means ours is faster).
 
     python bench/bench_model.py --dim 256 --n-layers 4 --seq-len 256 --batch 8 --vocab 4096
+    python bench/bench_model.py --iters 30 --keep-freed-memory --json model.json
+    python bench/bench_model.py --iters 30 --warmup 5 --compile --keep-freed-memory
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +46,17 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10, help="timed iterations per model")
     p.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"], help="HF attention implementation")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--compile", action="store_true", help="torch.compile both models")
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="the trainer's CPU allocator setting (pretrain.distributed.keep_freed_memory)")
+    p.add_argument("--json", help="write the figures here")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.keep_freed_memory:
+        from pretrain.distributed import keep_freed_memory
+
+        keep_freed_memory()
 
     args = ModelArgs(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
                      vocab_size=a.vocab, max_seq_len=a.seq_len)
@@ -58,6 +70,9 @@ def main() -> None:
     hf = LlamaForCausalLM(cfg).float()
     hf.load_state_dict(to_hf_state_dict(ours.state_dict(), args), strict=True)
     ours.train(), hf.train()
+    if a.compile:
+        ours.compile()
+        hf.compile()
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq_len))
 
     for _ in range(a.warmup):
@@ -81,6 +96,10 @@ def main() -> None:
     print(f"ours : {rate['ours']:7.0f} tokens/s median, {best['ours']:7.0f} best of {a.iters}")
     print(f"HF   : {rate['hf']:7.0f} tokens/s median, {best['hf']:7.0f} best (LlamaForCausalLM, attn={a.hf_attn})")
     print(f"ratio ours/HF: {ratio:.3f} (median over rounds of HF time / our time)")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                                            "tokens_per_s_median": rate, "tokens_per_s_best": best,
+                                            "ratio_ours_over_hf": ratio}, indent=1))
 
 
 if __name__ == "__main__":

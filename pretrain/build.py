@@ -64,7 +64,12 @@ def engine(cfg: Config, args: ModelArgs, env: distributed.Dist, precision: str, 
     model = build_model(args, cfg, ds_config, seed=cfg.train.seed)
     if init_weights_from is not None:
         load_weights(model, init_weights_from, env, zero3=cfg.distributed.zero_stage == 3)
-    return build_engine(model, cfg, ds_config, env.device), ds_config
+    engine = build_engine(model, cfg, ds_config, env.device)
+    if cfg.train.compile:
+        # DeepSpeed's own: torch.compile of the whole model, with ZeRO-3's parameter hooks kept out
+        # of the graphs (they run eagerly between compiled pieces). Compiles at the first step.
+        engine.compile()
+    return engine, ds_config
 
 
 def loggers(cfg: Config, env: distributed.Dist, run_dir: Path, run_id: str, start_step: int,

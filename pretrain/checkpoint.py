@@ -30,7 +30,6 @@ across ranks) plus the DeepSpeed engine (its own shards). `restore(start)` bring
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import io
 import json
@@ -40,6 +39,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,13 +108,11 @@ def model_shape(args) -> dict:
     return {f: getattr(args, f) for f in SHAPE_FIELDS}
 
 
-def _sha256(path: Path, sync: bool = False) -> str:
+def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
-        if sync:  # flushes the file's dirty pages whoever wrote them (same host, or a closed NFS file)
-            os.fsync(f.fileno())
     return h.hexdigest()
 
 
@@ -164,52 +162,13 @@ class Start:
     step: int = 0
 
     def universal(self, world_size: int) -> bool:
-        """The optimizer state comes from another world size: DeepSpeed must load it universally."""
-        return self.meta is not None and self.meta["world_size"] != world_size
+        """The optimizer state is partitioned over another world size: DeepSpeed must load it through
+        its universal checkpoint. (ZeRO stage 0 in fp32 saves it whole: any world size loads it.)"""
+        return self.meta is not None and self.meta["world_size"] != world_size and partitioned(self.path)
 
     def read_state(self, name: str) -> dict | None:
         f = self.path / f"{name}_state.json"
         return json.loads(f.read_text()) if f.is_file() else None
-
-
-class _RecordingEngine:
-    """DeepSpeed's torch checkpoint engine, except that a failed write is recorded, not raised: a rank
-    that raised inside `engine.save_checkpoint` would leave the others waiting forever in its closing
-    barrier. The manager checks the records on every rank after the call."""
-
-    def __init__(self, engine):
-        self.inner = engine.checkpoint_engine  # DeepSpeed's, configured from its config
-        self.errors: list[tuple[str, BaseException]] = []
-        engine.checkpoint_engine = self
-        # DeepSpeed also copies its zero_to_fp32.py into the checkpoints folder on rank 0.
-        engine._copy_recovery_script = self._recorded(engine._copy_recovery_script, "zero_to_fp32.py")
-
-    def _recorded(self, fn, what):
-        def call(*args, **kwargs):
-            try:
-                return fn(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001
-                self.errors.append((what, e))
-        return call
-
-    def save(self, state_dict, path: str):
-        self._recorded(self.inner.save, path)(state_dict, path)
-
-    def makedirs(self, path, exist_ok=False):
-        self._recorded(os.makedirs, path)(path, exist_ok=exist_ok)
-
-    def __getattr__(self, name):  # load, create, commit, is_decoupled, ...
-        return getattr(self.inner, name)
-
-
-def _describe_failure(errors: list[tuple[str, BaseException]]) -> tuple[str, bool]:
-    """(first error, whether it is a full disk)."""
-    what, e = errors[0]
-    full = any(isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT) or
-               "No space left" in str(x) or "unexpected pos" in str(x) or "file write failed" in str(x)
-               for _, x in errors)
-    lines = str(e).strip().splitlines()
-    return f"{what}: {type(e).__name__}: {lines[-1] if lines else ''}", full
 
 
 class CheckpointManager:
@@ -226,7 +185,8 @@ class CheckpointManager:
         self.overwrite, self.provenance = overwrite, provenance
         self.states: dict = {}
         self.engine = None
-        self._recorder: _RecordingEngine | None = None
+        self._writer = None  # saving.ShardWriter, DeepSpeed's checkpoint engine once track(engine=) ran
+        self._job = None  # the save in progress (saving.SaveJob)
         self.last_size = 0  # bytes of the newest checkpoint, for the free-space warning
         self.timings: dict[str, float] = {}  # verify_s, load_s of the start point (seconds)
 
@@ -383,8 +343,10 @@ class CheckpointManager:
     def track(self, engine=None, **states) -> None:
         """Register what a checkpoint holds: the DeepSpeed engine and named stateful objects."""
         if engine is not None:
+            from pretrain.saving import ShardWriter
+
             self.engine = engine
-            self._recorder = _RecordingEngine(engine)
+            self._writer = ShardWriter(engine)
         self.states.update(states)
 
     def restore(self, start: Start) -> None:
@@ -407,7 +369,8 @@ class CheckpointManager:
             obj.load_state_dict(state)
         self.timings["load_s"] = time.perf_counter() - t0
         log.info("resumed from %s at step %d%s", start.path, start.step,
-                 f" (saved at world size {start.meta['world_size']})" if start.universal(self.env.world_size) else "")
+                 f" (saved at world size {start.meta['world_size']})" if start.meta["world_size"] != self.env.world_size
+                 else "")
 
     def _load_engine(self, start: Start) -> None:
         """Weights, optimizer state (and their hyperparameters) from DeepSpeed's shards; at another
@@ -457,15 +420,19 @@ class CheckpointManager:
         return out
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int) -> Path:
-        """Save every tracked state as step_XXXXXXXX (collective). Raises CheckpointError on every
-        rank if any rank failed to write; the partial folder is then removed."""
-        env, final = self.env, self.root / step_dir_name(step)
+    def save(self, step: int) -> float:
+        """Start saving every tracked state as step_XXXXXXXX (collective); returns the seconds the
+        caller was held up: waiting for the previous save, then the copy of the state to host memory
+        (pretrain/saving.py). The rest is written in the background; `wait()` collects the outcome,
+        and a failure raises CheckpointError on every rank, the partial folder removed."""
+        from pretrain import saving
+
+        t0 = time.perf_counter()
+        self.wait()
         partial = self.root / f".partial_{step_dir_name(step)}"
         self._warn_if_low_on_space()
-        errors = self._recorder.errors
-        errors.clear()
-        if env.is_main:
+        errors = []
+        if self.env.is_main:
             try:
                 shutil.rmtree(partial, ignore_errors=True)
                 partial.mkdir(parents=True)
@@ -473,33 +440,66 @@ class CheckpointManager:
                 errors.append((str(partial), e))
         if not any(distributed.all_gather_objects(bool(errors))):
             self.engine.save_checkpoint(str(self.root), tag=partial.name, save_latest=False)
+        shards, recorded = self._writer.take()
         states = {name: obj.state_dict() for name, obj in self.states.items()}  # collective gathers
-        if env.is_main and not errors:
-            try:
-                self._write_own_files(partial, step, states)
-            except OSError as e:
-                errors.append((str(partial), e))
-        distributed.barrier()
-        sums = {}
-        if not errors:
-            try:
-                files = sorted(p for p in partial.rglob("*") if p.is_file())
-                sums = {str(p.relative_to(partial)): {"size": p.stat().st_size, "sha256": _sha256(p, sync=True)}
-                        for p in _my_share(files, env.rank, env.world_size)}
-            except OSError as e:
-                errors.append((str(partial), e))
-        reports = distributed.all_gather_objects(
-            (sums, _describe_failure(errors) if errors else None))
-        failures = [(r, f) for r, (_, f) in enumerate(reports) if f]
-        if failures:
-            self._fail(partial, step, failures)
+        own = self._own_files(step, states) if self.env.is_main else {}
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize()  # the host copies are complete
+        job = saving.SaveJob(step, partial, shards, own, errors + recorded, t0)
+        job.thread = threading.Thread(target=saving.timed(self._finish), args=(job,), name=f"save-{step}",
+                                      daemon=True)
+        job.thread.start()
+        self._job = job
+        job.blocking_s = time.perf_counter() - t0
+        return job.blocking_s
+
+    def _finish(self, job) -> None:
+        """Background thread of every rank: write, checksum, agree; rank 0 publishes."""
+        from pretrain import saving
+
+        group = distributed.checkpoint_group()
+        sums = saving.write_rank_files(job, self._writer.inner)
+        reports = saving.gather((sums, saving.describe_failure(job.errors) if job.errors else None), group)
+        job.failures = [(r, f) for r, (_, f) in enumerate(reports) if f]
         manifest = {k: v for part, _ in reports for k, v in part.items()}
-        try:
-            distributed.on_main(self._publish, partial, final, manifest)
-        except OSError as e:  # raised on every rank alike
-            self._fail(partial, step, [(0, _describe_failure([(str(partial), e)]))])
-        self.last_size = sum(v["size"] for v in manifest.values())
-        return final
+        outcome = None
+        if not job.failures and self.env.is_main:
+            try:
+                self._publish(job.partial, self.root / step_dir_name(job.step), manifest)
+            except OSError as e:
+                outcome = saving.describe_failure([(str(job.partial), e)])
+        outcome = saving.broadcast(outcome, group)
+        if outcome:
+            job.failures = [(0, outcome)]
+        if job.failures:
+            if self.env.is_main:
+                shutil.rmtree(job.partial, ignore_errors=True)
+            job.error = self._failure_message(job.step, job.failures)
+        else:
+            job.size = sum(v["size"] for v in manifest.values())
+
+    def wait(self, quiet: bool = False):
+        """Wait for the save in progress, if any; return it (once) so that the caller can log it.
+        Raises its failure (CheckpointError, on every rank) unless `quiet`."""
+        job, self._job = self._job, None
+        if job is None:
+            return None
+        job.thread.join()
+        if job.error and not quiet:
+            raise collective(CheckpointError(job.error))
+        if not job.error:
+            self.last_size = job.size
+        return job
+
+    def save_failed(self) -> bool:
+        """The save in progress ended with an error (a cheap local check, for the per-step agreement)."""
+        return self._job is not None and self._job.done and self._job.error is not None
+
+    def finished(self):
+        """The save in progress if it has finished successfully (then it is collected), else None."""
+        if self._job is not None and self._job.done and self._job.error is None:
+            return self.wait()
+        return None
 
     def _publish(self, partial: Path, final: Path, manifest: dict) -> None:
         """Rank 0: the manifest, then the rename that makes the checkpoint visible (durably), then
@@ -522,38 +522,32 @@ class CheckpointManager:
             log.warning("warning: saved %s, but could not update %s or remove old checkpoints (%s)",
                         final.name, self.root / "latest", e)
 
-    def _write_own_files(self, partial: Path, step: int, states: dict) -> None:
+    def _own_files(self, step: int, states: dict) -> dict[str, str]:
+        """Rank 0's files of a checkpoint besides DeepSpeed's shards: name -> text."""
         import yaml
 
-        for name, state in states.items():
-            (partial / f"{name}_state.json").write_text(json.dumps(state))
-        (partial / "config.yaml").write_text(yaml.safe_dump(self.run_config, sort_keys=False))
-        (partial / "tokenizer.json").write_text(self.tokenizer_json)
+        files = {f"{name}_state.json": json.dumps(state) for name, state in states.items()}
+        files["config.yaml"] = yaml.safe_dump(self.run_config, sort_keys=False)
+        files["tokenizer.json"] = self.tokenizer_json
         meta = {"format": FORMAT, "step": step, "run_id": self.run.run_id, "world_size": self.env.world_size,
                 "model_shape": model_shape(self.model_args),
                 "zero_stage": self.zero_stage, "fingerprint": {"tokenizer": self.tokenizer_fingerprint},
                 **self.provenance}
-        (partial / "meta.json").write_text(json.dumps(meta, indent=2))
+        files["meta.json"] = json.dumps(meta, indent=2)
+        return files
 
-    def _fail(self, partial: Path, step: int, failures: list) -> None:
-        """Every rank: remove the partial folder, then raise one line naming the cause."""
+    def _failure_message(self, step: int, failures: list) -> str:
         rank, (what, full) = failures[0]
-        if self.env.is_main:
-            shutil.rmtree(partial, ignore_errors=True)
-        distributed.barrier()
         previous = self._newest_complete()
         kept = f"the previous checkpoint {previous.name} is intact" if previous else "no earlier checkpoint exists"
         where = f" (rank {rank})" if self.env.world_size > 1 else ""
         if full:
             free = shutil.disk_usage(self.root).free / 2**30
             need = f", it needs about {self.last_size / 2**30:.2f} GiB" if self.last_size else ""
-            message = (f"no space left on the device of {self.root} while saving step {step}{where} "
-                       f"({free:.2f} GiB free{need}): {kept}; the partial save was removed. Free space, then "
-                       "resume with checkpoint.resume=auto")
-        else:
-            message = (f"could not save the checkpoint of step {step}{where}: {what}: {kept}; the partial "
-                       "save was removed")
-        raise collective(CheckpointError(message))
+            return (f"no space left on the device of {self.root} while saving step {step}{where} "
+                    f"({free:.2f} GiB free{need}): {kept}; the partial save was removed. Free space, then "
+                    "resume with checkpoint.resume=auto")
+        return f"could not save the checkpoint of step {step}{where}: {what}: {kept}; the partial save was removed"
 
     def _warn_if_low_on_space(self) -> None:
         if self.env.is_main and self.last_size:
@@ -585,9 +579,18 @@ class CheckpointManager:
             return None
 
 
+def partitioned(ckpt: Path) -> bool:
+    """Whether the checkpoint's weights and optimizer state are split over its ranks (ZeRO 1-3, or
+    DeepSpeed's bf16 optimizer); ZeRO stage 0 in fp32 saves the whole model in one file."""
+    return any(ckpt.glob("*zero_pp_rank_*_optim_states.pt"))
+
+
 def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Full fp32 weights of a sharded checkpoint saved at any world size, by DeepSpeed's own
-    consolidation (the same code as its zero_to_fp32.py)."""
+    """Full fp32 weights of a checkpoint saved at any world size: partitioned ones by DeepSpeed's own
+    consolidation (the same code as its zero_to_fp32.py), whole ones from the model states file."""
+    if not partitioned(ckpt):
+        state = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
+        return {k: v.float() for k, v in state["module"].items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with contextlib.redirect_stdout(io.StringIO()):  # it prints progress lines

@@ -53,6 +53,12 @@ def _export(args) -> None:
     export(args.checkpoint, args.out_dir)
 
 
+def _estimate(args) -> None:
+    from pretrain.estimate import estimate_cli
+
+    estimate_cli(args)
+
+
 def _generate(args) -> None:
     from pretrain.generate import generate_cli
 
@@ -96,6 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("out_dir", help="output directory (safetensors, config.json, tokenizer files)")
     ex.set_defaults(fn=_export)
 
+    est = with_config(sub.add_parser("estimate", help="parameters, FLOPs, memory per GPU, step time, "
+                                                      "communication for a run config"))
+    est.add_argument("--gpus", type=int, required=True, help="number of GPUs of the run")
+    est.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilization (0-1)")
+    est.add_argument("--peak-tflops", type=float, default=0.0,
+                     help="per-GPU peak TFLOPS (default: distributed.peak_flops, else H100's for the precision)")
+    est.add_argument("--gbps", type=float, default=400.0, help="interconnect bandwidth per GPU in Gbit/s")
+    est.add_argument("--precision", choices=["bf16", "fp16", "fp32"], help="training precision (default: the "
+                     "config's; auto means bf16 on GPUs)")
+    est.add_argument("--json", help="also write every figure to this JSON file")
+    est.set_defaults(fn=_estimate)
+
     gen = sub.add_parser("generate", help="sample text from a checkpoint or an export")
     gen.add_argument("model", help="checkpoint directory or export directory")
     gen.add_argument("--prompt", default="", help="text to continue")
@@ -129,7 +147,13 @@ def _report(lines: list[str], collective: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may also follow the options (`pretrain estimate CFG --gpus 8 train.max_steps=10`).
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.fn is _train:
         # First thing: a SIGTERM while torch and DeepSpeed import must not be lost (train.py's
         # top-level imports are light for this reason).

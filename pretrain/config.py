@@ -54,7 +54,8 @@ class TrainConfig:
     max_consecutive_skips: int = 10  # with on_nonfinite=skip: stop (exit 3) after this many in a row (0 = never)
     run_dir: str = "runs/default"  # where metrics, configs and checkpoints of this run go; one run owns it
     overwrite: bool = False  # a fresh run into a run dir holding another run: move that run to run_dir/replaced/
-    compile: bool = False  # torch.compile the model
+    compile: bool = False  # torch.compile the model (DeepSpeed's engine.compile(); docs/performance.md)
+    loss_chunk_tokens: int = 0  # tokens per chunk of the output projection + loss (0 = 256 MiB of fp32 logits)
 
 
 @dataclass
@@ -80,10 +81,11 @@ class LoggingConfig:
 
 @dataclass
 class DistributedConfig:
-    zero_stage: int = 3  # DeepSpeed ZeRO stage: 0, 1, 2 or 3
+    zero_stage: int = 3  # DeepSpeed ZeRO stage 0-3; one device: 0 (ZeRO-3 there is overhead, docs/performance.md)
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
-    param_persistence_threshold: int = 100000  # ZeRO-3: params with fewer elements stay unpartitioned
-    reduce_bucket_size: int = 500000000  # elements per gradient reduce bucket
+    param_persistence_threshold: int = -1  # ZeRO-3: params with fewer elements stay whole (-1 = 10 x model.dim)
+    reduce_bucket_size: int = 0  # elements per gradient reduce bucket (0 = model.dim^2)
+    prefetch_bucket_size: int = 0  # ZeRO-3: elements of parameters gathered ahead (0 = 0.9 x model.dim^2)
     overlap_comm: bool = True  # overlap gradient reduction with backward
     offload_optimizer: bool = False  # ZeRO optimizer state on CPU memory
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU (0 = from the device type)
@@ -135,6 +137,12 @@ class Config:
             out.append(f"schedule.min_lr={s.min_lr} is above optimizer.lr={self.optimizer.lr}")
         if self.checkpoint.keep_last < 1:
             out.append("checkpoint.keep_last must be >= 1 (a run always keeps its latest checkpoint)")
+        d = self.distributed
+        if d.param_persistence_threshold < -1 or d.reduce_bucket_size < 0 or d.prefetch_bucket_size < 0:
+            out.append("distributed.param_persistence_threshold must be >= -1 (-1 = derived), the bucket sizes "
+                       ">= 0 (0 = derived)")
+        if t.loss_chunk_tokens < 0:
+            out.append("train.loss_chunk_tokens must be >= 0 (0 = derived from the vocabulary size)")
         if t.max_consecutive_skips < 0:
             out.append("train.max_consecutive_skips must be >= 0 (0 = no limit)")
         if t.overwrite and self.checkpoint.resume != "none":

@@ -41,14 +41,18 @@ def peak_flops(device: torch.device, precision: str, configured: float) -> float
 
 
 def memory_stats(device: torch.device) -> dict:
-    """Peak GPU memory allocated since the last call (GiB), or the process RSS on CPU (GiB)."""
+    """Peak GPU memory allocated since the last call (GiB); on CPU the process RSS now and its peak
+    since the start (GiB)."""
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
         return {"memory/gpu_peak_allocated_gib": round(peak, 3)}
+    import resource
+
     import psutil
 
-    return {"memory/rss_gib": round(psutil.Process().memory_info().rss / 2**30, 3)}
+    return {"memory/rss_gib": round(psutil.Process().memory_info().rss / 2**30, 3),
+            "memory/rss_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
 
 
 class MetricLogger:

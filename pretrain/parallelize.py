@@ -20,15 +20,34 @@ def resolve_precision(cfg: Config, device: torch.device) -> str:
     return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
 
 
+def zero_sizes(cfg: Config) -> dict:
+    """ZeRO's bucket sizes and persistence threshold in elements: as configured, or derived from the
+    hidden size D by the rule of the Hugging Face DeepSpeed integration's "auto" values: reduce
+    buckets D^2 (a few layers' gradients per reduce), prefetch 0.9 D^2, and parameters below 10 D
+    elements (norms, small biases) kept whole, since gathering them costs more than they save."""
+    d, dim = cfg.distributed, cfg.model.dim
+    return {"reduce_bucket_size": d.reduce_bucket_size or dim * dim,
+            "prefetch_bucket_size": d.prefetch_bucket_size or int(0.9 * dim * dim),
+            "param_persistence_threshold": 10 * dim if d.param_persistence_threshold < 0
+            else d.param_persistence_threshold}
+
+
+def trainer_clips(cfg: Config, precision: str) -> bool:
+    """ZeRO stage 0 in fp32 has no DeepSpeed optimizer wrapper: DeepSpeed would compute the gradient
+    norm to clip and throw it away, and the trainer needs it to find non-finite steps. The trainer
+    then clips itself, with the one norm it computes (every other setup: DeepSpeed clips)."""
+    return cfg.distributed.zero_stage == 0 and precision == "fp32"
+
+
 def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict:
     """The DeepSpeed JSON for this run, from our config: no "auto" values, nothing left to defaults
     that matter (DeepSpeed's gradient_clipping default is 1.0, so it is always written)."""
-    d = cfg.distributed
+    d, sizes = cfg.distributed, zero_sizes(cfg)
     zero: dict = {"stage": d.zero_stage, "overlap_comm": d.overlap_comm, "contiguous_gradients": True,
-                  "reduce_bucket_size": d.reduce_bucket_size}
+                  "reduce_bucket_size": sizes["reduce_bucket_size"]}
     if d.zero_stage == 3:
-        zero.update(stage3_param_persistence_threshold=d.param_persistence_threshold,
-                    stage3_prefetch_bucket_size=d.reduce_bucket_size,
+        zero.update(stage3_param_persistence_threshold=sizes["param_persistence_threshold"],
+                    stage3_prefetch_bucket_size=sizes["prefetch_bucket_size"],
                     stage3_gather_16bit_weights_on_model_save=False)
     if d.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -36,7 +55,7 @@ def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict:
         "train_batch_size": cfg.global_batch(world_size),
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum(world_size),
-        "gradient_clipping": cfg.optimizer.grad_clip,
+        "gradient_clipping": 0.0 if trainer_clips(cfg, precision) else cfg.optimizer.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16", "initial_scale_power": 16},

@@ -41,19 +41,11 @@ class StopSignal:
         self.received = signum
 
     def agreed(self) -> int:
-        """The signal any rank received, 0 for none; SIGTERM (scancel, the hard limit) wins over
-        SIGUSR1 (the warning that requeues). Collective over the CPU group (distributed.cpu_group):
-        host to host, it never waits for a GPU, so the trainer asks after every step."""
-        import torch
-        import torch.distributed as dist
-
+        """The signal any rank received, 0 for none (collective). The maximum of the signal numbers:
+        SIGTERM (15: scancel, the hard limit) wins over SIGUSR1 (10: the warning that requeues)."""
         from pretrain import distributed
 
-        flag = torch.tensor([self.received or 0])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            # MAX of the signal numbers: SIGTERM (15) > SIGUSR1 (10)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=distributed.cpu_group())
-        return int(flag.item())
+        return distributed.agree_max([self.received or 0])[0]
 
 
 class StoppedAtStartup(Exception):
@@ -145,7 +137,7 @@ def _train(cfg, env, stop: StopSignal):
     check_stop()
     run_dir = RunDir(cfg.train.run_dir, env)
     run_dir.open()
-    logger, trainer, start = MetricLogger(), None, None
+    logger, trainer, start, ckpt = MetricLogger(), None, None, None
     try:
         tokenizer, model_args = distributed.agree(build.tokenizer_and_model_args, cfg)
         resolved = cfg.to_dict()
@@ -207,6 +199,8 @@ def _train(cfg, env, stop: StopSignal):
             distributed.barrier()
             return None
     finally:
+        if ckpt is not None:
+            ckpt.wait(quiet=True)  # a save in progress completes: it is of a good step
         logger.close()
         run_dir.close(trained=trainer is not None and trainer.step > start.step)
 

@@ -15,11 +15,11 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from pretrain import distributed
 from pretrain.errors import UserError
 from pretrain.metrics import MetricLogger, memory_stats, peak_flops
+from pretrain.parallelize import trainer_clips
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,11 @@ class Trainer:
         self.timers = dict.fromkeys(("data", "compute"), 0.0)
         self.optimizer = engine.optimizer
         self.lr = schedule(0)  # the rate of the latest step
-        self._drop_update = False  # this step's update must not happen (set before engine.step)
+        self.clip = cfg.optimizer.grad_clip if trainer_clips(cfg, precision) else 0.0  # else DeepSpeed clips
+        self.grad_norm = None  # the latest global gradient norm, when the trainer computed it
+        self._drop_update = False  # this step's update was dropped for a non-finite loss
         self._grad_nonfinite = False  # the update was dropped for a non-finite gradient norm
+        self._stats = self._host_stats = None  # this step's reduced losses: on the device, and once read
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # torch AdamW inside ZeRO
         inner.step = self._guarded(inner.step, inner)
 
@@ -82,20 +85,35 @@ class Trainer:
         """DeepSpeed has no "drop this update" outside fp16 loss scaling, and only some of its
         optimizers check the gradient norm (ZeRO-3 always, ZeRO-1/2 in fp32, stage 0 never), so the
         inner torch optimizer's step is wrapped: it runs only if the loss was finite on every rank
-        and the global gradient norm is finite. DeepSpeed clears the gradients either way."""
+        and the global gradient norm is finite. DeepSpeed clears the gradients either way. The
+        step's one host sync happens here: the reduced losses and the norm are read together."""
         @functools.wraps(step)
         def guarded(*args, **kwargs):
-            if self._drop_update:
-                return None
             norm = getattr(self.optimizer, "_global_grad_norm", None)  # ZeRO's, before clipping
+            grads = None
             if norm is None:  # stage 0: the full (already averaged) gradients are here, the same on every rank
                 grads = [p.grad for g in inner.param_groups for p in g["params"] if p.grad is not None]
-                norm = torch.nn.utils.get_total_norm(grads) if grads else 0.0
-            if not math.isfinite(float(norm)):
+                norm = self.grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+            loss_sum, bad, norm_value = self._read_stats(norm)
+            if bad:
+                self._nonfinite(f"loss is {loss_sum / (self.accum * self.env.world_size)}")  # stop: raises
+                return None
+            if not math.isfinite(norm_value):
                 self._grad_nonfinite = True
                 return None
+            if self.clip and grads:
+                torch.nn.utils.clip_grads_with_norm_(grads, self.clip, norm)
             return step(*args, **kwargs)
         return guarded
+
+    def _read_stats(self, norm=None) -> list[float]:
+        """[sum of the step's losses over micro-batches and ranks, how many were not finite, (the
+        gradient norm)]: read on the host once per step, by the guard with the norm, or after the
+        step where DeepSpeed skipped the update itself and the guard never ran."""
+        if self._host_stats is None:
+            parts = [self._stats] if norm is None else [self._stats, torch.as_tensor(norm).reshape(1).to(self._stats)]
+            self._host_stats = torch.cat(parts).tolist()
+        return self._host_stats
 
     def _next_batch(self):
         t0 = time.perf_counter()
@@ -106,35 +124,35 @@ class Trainer:
 
     def train_step(self) -> float:
         """One optimizer step over `accum` micro-batches; returns the global mean loss. One device
-        all-reduce and one host sync per step: the losses and their finiteness travel together,
-        after the last forward and before the update."""
+        all-reduce and one host sync per step: the losses and their finiteness are reduced together
+        after the last forward, and read on the host with the gradient norm, before the update."""
         lr = self.schedule(self.step)  # the rate of this step; DeepSpeed has no scheduler
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.lr = lr
         self._drop_update = self._grad_nonfinite = False
+        self._host_stats = None
         losses = torch.zeros(self.accum, device=self.env.device)
         for i in range(self.accum):
             inputs, labels = self._next_batch()
             t0 = time.perf_counter()
-            logits = self.engine(inputs)  # (B, T, V)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+            loss = self.engine(inputs, labels, loss_chunk=self.cfg.train.loss_chunk_tokens)  # mean over tokens
             losses[i] = loss.detach()
-            if i == self.accum - 1:
-                stats = torch.stack([losses.sum(), (~torch.isfinite(losses)).sum().float()])
-                dist.all_reduce(stats)
-                loss_sum, bad = stats.tolist()
-                if bad:
-                    self._nonfinite(f"loss is {loss_sum / (self.accum * self.env.world_size)}")
+            if i == self.accum - 1:  # queued on the device; read by _read_stats
+                self._stats = torch.stack([losses.sum(), (~torch.isfinite(losses)).sum().float()])
+                dist.all_reduce(self._stats)
             # Backward runs even for a bad micro-batch: ZeRO's backward and step are collective and
             # expect gradients; the update itself is dropped by _guarded.
             self.engine.backward(loss)
             self.engine.step()
             self.timers["compute"] += time.perf_counter() - t0
+        loss_sum, bad = self._read_stats()[:2]
+        if bad and not self._drop_update:  # DeepSpeed dropped the update itself; the guard never ran
+            self._nonfinite(f"loss is {loss_sum / (self.accum * self.env.world_size)}")
         # The gradient norm was not finite: our guard or DeepSpeed's own overflow check dropped the update.
         grad_bad = self._grad_nonfinite or not self.engine.was_step_applied()
         if grad_bad and not self._drop_update:
-            self._nonfinite(f"gradient norm is {self.engine.get_global_grad_norm()}", after_step=True)
+            self._nonfinite(f"gradient norm is {self._norm()}", after_step=True)
         self.step += 1
         if self._drop_update or grad_bad:
             self.skipped += 1
@@ -150,6 +168,11 @@ class Trainer:
         else:
             self.skipped_in_a_row = 0
         return loss_sum / (self.accum * self.env.world_size)
+
+    def _norm(self) -> float:
+        """The latest step's global gradient norm before clipping (a host sync: read when logging)."""
+        norm = self.grad_norm if self.grad_norm is not None else self.engine.get_global_grad_norm()
+        return float(norm if norm is not None else 0.0)
 
     def _nonfinite(self, what: str, after_step: bool = False) -> None:
         """A non-finite step: stop (before any update) or drop this step's update."""
@@ -168,23 +191,26 @@ class Trainer:
         sums = torch.zeros(2, device=self.env.device, dtype=torch.float64)
         for batch in self.val_batches:
             inputs, labels = batch["input_ids"].to(self.env.device), batch["labels"].to(self.env.device)
-            logits = self.engine(inputs)
-            sums[0] += F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+            sums[0] += self.engine(inputs, labels, loss_chunk=self.cfg.train.loss_chunk_tokens) * labels.numel()
             sums[1] += labels.numel()
         dist.all_reduce(sums)
         self.engine.train()
         loss = (sums[0] / sums[1]).item()
         return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
 
-    def save(self) -> None:
-        if self.saved_step == self.step:
-            return
-        t0 = time.perf_counter()
-        path = self.ckpt.save(self.step)
-        self.saved_step = self.step
-        self.logger.log({"checkpoint/save_s": time.perf_counter() - t0,
-                         "checkpoint/size_mb": self.ckpt.last_size / 1e6}, self.step)
-        log.debug("saved %s", path)
+    def save(self, wait: bool = False) -> None:
+        """Start a checkpoint of this step (written in the background); with `wait`, also finish it."""
+        if self.saved_step != self.step:
+            self.logger.log({"checkpoint/blocking_s": self.ckpt.save(self.step)}, self.step)
+            self.saved_step = self.step
+        if wait:
+            self._log_save(self.ckpt.wait())
+
+    def _log_save(self, job) -> None:
+        """A finished save: its whole duration and size, logged at the current step."""
+        if job is not None:
+            self.logger.log({"checkpoint/write_s": job.write_s, "checkpoint/size_mb": job.size / 1e6,
+                             "checkpoint/step": job.step}, self.step)
 
     # -- the loop
     def fit(self) -> dict:
@@ -197,6 +223,8 @@ class Trainer:
             while self.step < t.max_steps:
                 step_start = time.perf_counter()
                 loss = self.train_step()
+                if self.cfg.train.compile and first_loss is None:
+                    log.info("train.compile: the first step (compiling) took %.1f s", time.perf_counter() - step_start)
                 losses.append(loss)
                 window_steps += 1
                 first_loss = loss if first_loss is None else first_loss
@@ -212,10 +240,14 @@ class Trainer:
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < t.max_steps:
                     self.save()
                 # Right after the step, so a signal costs at most the rest of one step before the
-                # save starts (srun answers scancel's SIGTERM with SIGKILL within a second).
-                signum = self.stop.agreed()
+                # save starts (srun answers scancel's SIGTERM with SIGKILL within a second); with it,
+                # whether a background save failed on any rank, so that all stop at the same step.
+                signum, save_failed = distributed.agree_max([self.stop.received or 0, self.ckpt.save_failed()])
+                if save_failed:
+                    self.ckpt.wait()  # raises the failure
+                self._log_save(self.ckpt.finished())
                 if signum:
-                    self.save()
+                    self.save(wait=True)
                     raise StopRequested(signum, self.step)
         finally:
             progress.close()
@@ -224,7 +256,7 @@ class Trainer:
         if self.val_batches:
             summary.update(self.evaluate())
             self._log_eval(summary)
-        self.save()
+        self.save(wait=True)
         return summary
 
     def _axes(self) -> dict:
@@ -242,7 +274,7 @@ class Trainer:
         record = {
             "train/loss": sum(losses) / len(losses),
             "train/lr": self.lr,
-            "train/grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
+            "train/grad_norm": self._norm(),
             "train/skipped_steps": self.skipped,
             "perf/step_time_s": elapsed / steps,
             "perf/tokens_per_s": tokens_per_s,

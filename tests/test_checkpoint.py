@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 BASE = ["data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", "logging.log_every=1",
         "logging.wandb=disabled", "schedule.warmup_steps=2", "schedule.decay_steps=8",
-        "distributed.param_persistence_threshold=0", "train.max_steps=8"]
+        "distributed.zero_stage=3", "distributed.param_persistence_threshold=0", "train.max_steps=8"]
 
 
 def _start(overrides, nproc=1):
@@ -82,6 +82,30 @@ def test_kill_and_resume_is_exact(tmp_path, straight, nproc):
                      nproc=nproc)
     assert "resumed from" in proc.stdout and "at step 4" in proc.stdout
     assert _last_losses(tmp_path) == losses(straight[nproc])  # bitwise, every step
+
+
+def test_a_kill_during_a_background_save_keeps_the_previous_checkpoint(tmp_path, straight):
+    """Saves are written in the background while training goes on: SIGKILL as soon as the step-6
+    save has started writing its shards. The step-4 checkpoint stays complete, the half-written
+    save is never resumed from, and the resumed run repeats the uninterrupted one exactly."""
+    from pretrain.checkpoint import open_checkpoint
+
+    proc = _start(BASE + ["checkpoint.every=2", f"train.run_dir={tmp_path}"])
+    ckpts = tmp_path / "checkpoints"
+    partial = ckpts / ".partial_step_00000006"
+    deadline = time.time() + 240
+    while not (partial.is_dir() and any(partial.glob("*.pt"))):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline
+        time.sleep(0.002)
+    _kill_tree(proc)
+    complete = sorted(p.name for p in ckpts.glob("step_*"))
+    assert "step_00000004" in complete and "step_00000008" not in complete, complete
+    for name in complete:
+        open_checkpoint(ckpts / name)  # every visible checkpoint verifies
+    proc = run_train(BASE + ["checkpoint.every=2", "checkpoint.resume=auto", f"train.run_dir={tmp_path}"])
+    assert f"at step {int(complete[-1][5:])}" in proc.stdout
+    assert _last_losses(tmp_path) == losses(straight[1])
 
 
 @pytest.mark.parametrize("saved,resumed", [(2, 1), (1, 2)])
@@ -231,3 +255,19 @@ def test_resume_continues_the_same_wandb_run(tmp_path):
     meta = json.loads((tmp_path / "checkpoints" / "step_00000004" / "meta.json").read_text())
     assert runs[0].name.endswith(meta["run_id"])
     assert json.loads((tmp_path / "run.json").read_text())["run_id"] == meta["run_id"]
+
+
+def test_stage0_checkpoint_resumes_at_another_world_size(tmp_path):
+    """ZeRO stage 0 (configs/tiny.yaml's, for one device) saves the whole model and optimizer state
+    in one file: another world size loads it directly, without a universal conversion."""
+    base = [b for b in BASE if not b.startswith("distributed.")] + ["distributed.zero_stage=0"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    run_train(base + ["checkpoint.every=4", f"train.run_dir={two}"], nproc=2)
+    shutil.copytree(two / "checkpoints" / "step_00000004", one / "checkpoints" / "step_00000004")
+    proc = run_train(base + ["checkpoint.resume=auto", f"train.run_dir={one}"])
+    assert "saved at world size 2" in proc.stdout
+    assert not (one / "checkpoints" / ".universal").exists()
+    got, want = losses(one), losses(two)
+    assert sorted(got) == [5, 6, 7, 8]
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=1e-4), (step, got[step], want[step])

@@ -23,11 +23,16 @@ ARGS = ModelArgs(dim=8, n_layers=1, n_heads=2, vocab_size=16)
 
 class _TorchEngine:
     def save(self, state, path):
+        if state.get("full"):  # the device fills up halfway through this file
+            with open(path, "wb") as f:
+                f.write(b"x" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device")
         torch.save(state, path)
 
 
 class FakeEngine:
-    """Writes one model and one optimizer shard the way DeepSpeed's save_checkpoint does."""
+    """Hands one model and one optimizer shard to its checkpoint engine, as DeepSpeed's
+    save_checkpoint does."""
 
     def __init__(self, fail_on_save: int = 0):
         self.checkpoint_engine = _TorchEngine()
@@ -40,21 +45,8 @@ class FakeEngine:
         self.saves += 1
         folder = Path(root) / tag
         self.checkpoint_engine.save({"w": torch.ones(1000)}, str(folder / "mp_rank_00_model_states.pt"))
-        if self.saves == self.fail_on_save:
-            real = self.checkpoint_engine.inner.save
-
-            def full(state, path):
-                with open(path, "wb") as f:
-                    f.write(b"x" * 100)
-                raise OSError(errno.ENOSPC, "No space left on device")
-            self.checkpoint_engine.inner.save = full
-            try:
-                self.checkpoint_engine.save({}, str(folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
-            finally:
-                self.checkpoint_engine.inner.save = real
-        else:
-            self.checkpoint_engine.save({"m": torch.zeros(1000)},
-                                        str(folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+        optim = str(folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        self.checkpoint_engine.save({"m": torch.zeros(1000), "full": self.saves == self.fail_on_save}, optim)
         self._copy_recovery_script(root)
 
 
@@ -99,7 +91,9 @@ def test_a_save_is_durable_before_it_is_visible(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(Path, "rename", rename)
     trainer.step = 5
-    final = ckpt.save(5)
+    ckpt.save(5)
+    ckpt.wait()
+    final = run.checkpoints / "step_00000005"
     [(i, partial)] = [(i, e[1]) for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(final)]
     synced_before = {e[1] for e in events[:i] if e[0] == "fsync"}
     files = {str(Path(partial) / p.name) for p in final.iterdir()}
@@ -112,10 +106,12 @@ def test_a_save_is_durable_before_it_is_visible(tmp_path, monkeypatch):
 def test_a_full_disk_removes_the_partial_save_and_keeps_the_previous(tmp_path):
     run, ckpt, _, trainer = manager(tmp_path / "run", engine=FakeEngine(fail_on_save=2))
     trainer.step = 1
-    first = ckpt.save(1)
+    ckpt.save(1)
+    first = ckpt.wait() and run.checkpoints / "step_00000001"
     trainer.step = 2
+    ckpt.save(2)  # written in the background: the failure comes with the outcome
     with pytest.raises(CheckpointError) as e:
-        ckpt.save(2)
+        ckpt.wait()
     message = str(e.value)
     assert "no space left" in message and str(run.checkpoints) in message
     assert "step_00000001 is intact" in message and "\n" not in message
@@ -127,13 +123,16 @@ def test_a_full_disk_removes_the_partial_save_and_keeps_the_previous(tmp_path):
 def test_rotation_keeps_checkpoints_of_other_runs(tmp_path):
     run, ckpt, _, trainer = manager(tmp_path / "run", keep_last=1)
     trainer.step = 1
-    alien = ckpt.save(1)
+    ckpt.save(1)
+    ckpt.wait()
+    alien = run.checkpoints / "step_00000001"
     meta = json.loads((alien / "meta.json").read_text())
     meta["run_id"] = "someone-else"
     (alien / "meta.json").write_text(json.dumps(meta))
     for step in (2, 3):
         trainer.step = step
         ckpt.save(step)
+    ckpt.wait()
     assert sorted(p.name for p in run.checkpoints.iterdir() if p.is_dir()) == ["step_00000001", "step_00000003"]
 
 
@@ -142,6 +141,7 @@ def test_auto_resume_falls_back_past_a_corrupt_checkpoint_and_says_so(tmp_path, 
     for step in (1, 2):
         trainer.step = step
         ckpt.save(step)
+    ckpt.wait()
     shard = run.checkpoints / "step_00000002" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     shard.write_bytes(shard.read_bytes()[:-10])
     run.close(trained=True)
@@ -159,6 +159,7 @@ def test_step_folders_but_none_intact_never_start_fresh(tmp_path):
     run, ckpt, _, trainer = manager(tmp_path / "run")
     trainer.step = 3
     ckpt.save(3)
+    ckpt.wait()
     (run.checkpoints / "step_00000003" / "manifest.json").unlink()
     run.close(trained=True)
     with pytest.raises(CheckpointError, match="no usable checkpoint .*step_00000003 has no manifest.json"):
@@ -188,3 +189,47 @@ def test_a_second_run_on_a_locked_dir_names_the_holder(tmp_path):
     message = q.get(timeout=5)
     assert f"is in use by pid {os.getpid()} on host {os.uname().nodename}" in message
     run.close(trained=True)
+
+
+class SlowEngine(FakeEngine):
+    """Saves a live tensor (the test changes it after save() returns) through a slow disk."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = torch.zeros(1000)
+
+    def save_checkpoint(self, root, tag, save_latest):
+        folder = Path(root) / tag
+        self.checkpoint_engine.save({"w": self.weights}, str(folder / "mp_rank_00_model_states.pt"))
+        self.checkpoint_engine.save({"m": torch.zeros(10)}, str(folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+
+
+def test_a_save_blocks_only_for_the_copy_and_never_overlaps_the_previous(tmp_path):
+    import time
+
+    engine = SlowEngine()
+    run, ckpt, _, trainer = manager(tmp_path / "run", engine=engine, keep_last=5)
+    writes = []
+
+    def slow_save(state, path):
+        t0 = time.perf_counter()
+        time.sleep(0.5)
+        torch.save(state, path)
+        writes.append((Path(path).parent.name, t0, time.perf_counter()))
+
+    engine.checkpoint_engine.inner.save = slow_save
+    trainer.step = 1
+    blocked = ckpt.save(1)
+    engine.weights += 1  # the next optimizer step changes the weights while the save is written
+    assert blocked < 0.4 and not (run.checkpoints / "step_00000001").exists()  # returned before the write
+    trainer.step = 2
+    ckpt.save(2)  # waits for step 1 to be complete first
+    job = ckpt.wait()
+    assert job.step == 2 and job.write_s > 0.9 and job.blocking_s < job.write_s
+    first_end = max(end for name, _, end in writes if name == ".partial_step_00000001")
+    second_start = min(start for name, start, _ in writes if name == ".partial_step_00000002")
+    assert second_start > first_end  # never overlapping
+    saved = torch.load(run.checkpoints / "step_00000001" / "mp_rank_00_model_states.pt")
+    assert torch.equal(saved["w"], torch.zeros(1000))  # the state at save time, not what followed
+    saved = torch.load(run.checkpoints / "step_00000002" / "mp_rank_00_model_states.pt")
+    assert torch.equal(saved["w"], torch.ones(1000))

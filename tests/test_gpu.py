@@ -30,6 +30,7 @@ def test_flash_attention_kernel_serves_our_attention_in_bf16():
 
 def test_bf16_zero3_training_learns_and_reports_mfu(tmp_path):
     run_train(["data.seq_len=256", "train.micro_batch_size=16", "train.max_steps=30", "logging.log_every=10",
+               "distributed.zero_stage=3",
                "logging.wandb=disabled", f"train.run_dir={tmp_path}"])
     records = [r for r in read_metrics(tmp_path) if "train/loss" in r]
     assert records[-1]["train/loss"] < records[0]["train/loss"] - 1.0

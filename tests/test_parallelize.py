@@ -80,3 +80,16 @@ def test_warmup_then_cosine_to_the_floor():
     assert lrs[10] == pytest.approx(peak) and lrs[55] == pytest.approx((peak + floor) / 2)
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
     assert lrs[100] == pytest.approx(floor) and lrs[119] == floor
+
+
+def test_zero_sizes_follow_the_hidden_size_unless_set():
+    from pretrain.parallelize import zero_sizes
+
+    cfg = load_config(None, ["model.dim=4096", "model.n_heads=32"])
+    ds = deepspeed_config(cfg, world_size=8, precision="bf16")["zero_optimization"]
+    assert (ds["reduce_bucket_size"], ds["stage3_prefetch_bucket_size"], ds["stage3_param_persistence_threshold"]) \
+        == (4096 ** 2, int(0.9 * 4096 ** 2), 40960)
+    cfg = load_config(None, ["distributed.reduce_bucket_size=1000", "distributed.prefetch_bucket_size=500",
+                             "distributed.param_persistence_threshold=0"])
+    assert zero_sizes(cfg) == {"reduce_bucket_size": 1000, "prefetch_bucket_size": 500,
+                               "param_persistence_threshold": 0}

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 # Small and deterministic: 4 sequences of 64 tokens per micro-batch, a global batch of 8.
 SMALL = ["data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", "logging.log_every=1",
          "logging.wandb=disabled", "schedule.warmup_steps=2", "schedule.decay_steps=10",
-         "distributed.param_persistence_threshold=0"]
+         "distributed.zero_stage=3", "distributed.param_persistence_threshold=0"]
 
 
 def test_tiny_preset_learns_shakespeare_with_gpt2_tokenizer(tmp_path):
@@ -140,3 +140,30 @@ def test_wandb_offline_run_logs_scaling_law_fields(tmp_path):
     assert [row["train/loss"] for row in rows] == pytest.approx([r["train/loss"] for r in local])
     assert [row["tokens_seen"] for row in rows] == [s * 8 * 64 for s in (1, 2, 3, 4)]
     assert rows[-1]["flops"] == rows[-1]["tokens_seen"] * scaling["flops_per_token"]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_compile_trains_to_the_same_losses(tmp_path, stage):
+    """train.compile=true really compiles (DeepSpeed's engine.compile(): torch.compile of the model,
+    ZeRO-3's hooks outside the graphs) and trains to the eager losses within 1e-3."""
+    runs = {}
+    for compiled in (False, True):
+        runs[compiled] = tmp_path / f"compile{compiled}"
+        proc = run_train(SMALL + [f"distributed.zero_stage={stage}", "train.max_steps=4", "train.activation_checkpointing=1",
+                                  f"train.compile={str(compiled).lower()}", f"train.run_dir={runs[compiled]}"])
+    eager, compiled = losses(runs[False]), losses(runs[True])
+    assert sorted(compiled) == [1, 2, 3, 4]
+    for step in eager:
+        assert compiled[step] == pytest.approx(eager[step], rel=1e-3, abs=1e-3)
+    assert "train.compile: the first step (compiling) took" in proc.stdout
+
+
+def test_chunked_loss_trains_like_the_full_one(tmp_path):
+    """Under ZeRO-3 (the head's weight gathered for the chunks, also when they are recomputed in
+    backward): loss chunks of 48 tokens give the losses of one chunk."""
+    runs = {}
+    for chunk in (0, 48):
+        runs[chunk] = tmp_path / f"chunk{chunk}"
+        run_train(SMALL + ["train.max_steps=4", f"train.loss_chunk_tokens={chunk}", f"train.run_dir={runs[chunk]}"])
+    for step, loss in losses(runs[0]).items():
+        assert losses(runs[48])[step] == pytest.approx(loss, rel=1e-5)

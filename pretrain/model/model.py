@@ -20,6 +20,7 @@ from typing import Callable, ContextManager
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from pretrain.model.args import ModelArgs
 
@@ -135,6 +136,36 @@ class FeedForward(nn.Module):
         nn.init.normal_(self.w2.weight, mean=0.0, std=out_std)
 
 
+LOSS_CHUNK_BYTES = 1 << 28  # fp32 logits of one chunk of the loss: 256 MiB
+
+
+def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of one chunk: h (n, D), labels (n,) -> scalar fp32."""
+    return F.cross_entropy(F.linear(h, weight).float(), labels, reduction="sum")
+
+
+class LMHead(nn.Linear):
+    """The output projection. With labels, it returns the mean cross-entropy instead of logits,
+    computed `chunk` tokens at a time: each chunk's logits are made, cast to fp32, reduced to a sum
+    and dropped, and made again in backward (torch.utils.checkpoint), so the (B, T, V) logits and
+    their fp32 copy never exist at once. (A module of its own so that ZeRO-3 gathers its weight for
+    the loss as for the logits.)"""
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+        if labels is None:
+            return super().forward(h)  # (B, T, V)
+        h, labels = h.flatten(0, 1), labels.flatten()  # (N, D), (N,)
+        n = labels.numel()
+        chunk = chunk or max(128, LOSS_CHUNK_BYTES // (4 * self.out_features))
+        if n <= chunk:  # one chunk: nothing to save by recomputing
+            return _chunk_loss(h, self.weight, labels) / n
+        total = h.new_zeros((), dtype=torch.float32)
+        for i in range(0, n, chunk):
+            total = total + checkpoint(_chunk_loss, h[i:i + chunk], self.weight, labels[i:i + chunk],
+                                       use_reentrant=False)
+        return total / n
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -169,7 +200,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = LMHead(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Non-persistent: derived from args, so checkpoints hold weights only.
@@ -185,8 +216,11 @@ class Transformer(nn.Module):
         self.freqs_cis = self._rope_table(self.freqs_cis.device)
         return self
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
-        """tokens (B, T) int64 -> logits (B, T, V) in the parameters' dtype.
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, cache: KVCache | None = None,
+                start_pos: int = 0, loss_chunk: int = 0) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, V) in the parameters' dtype; with labels (B, T), the
+        mean cross-entropy (fp32 scalar) instead, `loss_chunk` tokens at a time (0 = as many as make
+        256 MiB of fp32 logits; see LMHead).
 
         With `cache`, the tokens sit at positions start_pos..start_pos+T-1 and attend to the cached
         past; without, they start at 0 (training).
@@ -202,7 +236,7 @@ class Transformer(nn.Module):
                 h = layer(h, freqs_cis)
             else:
                 h = layer(h, freqs_cis, cache.k[i], cache.v[i], start_pos)
-        return self.output(self.norm(h))  # (B, T, V)
+        return self.output(self.norm(h), labels, loss_chunk)  # (B, T, V), or the loss
 
     @torch.no_grad()
     def init_weights(self, gather: Gather | None = None) -> None:

@@ -164,3 +164,40 @@ def test_meta_device_build_then_init_equals_plain():
     assert torch.equal(model.freqs_cis, plain.freqs_cis)
     tokens = torch.randint(0, 256, (2, 16))
     torch.testing.assert_close(model(tokens), plain(tokens), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_loss_equals_cross_entropy_of_full_logits(tied):
+    """The loss from labels (LMHead, chunks recomputed in backward) against F.cross_entropy of the
+    full fp32 logits: the same loss and the same gradients to fp32 rounding."""
+    import torch.nn.functional as F
+
+    tokens, labels = torch.randint(0, 256, (3, 40)), torch.randint(0, 256, (3, 40))
+    plain, chunked = build(tiny(tie_embeddings=tied)), build(tiny(tie_embeddings=tied))
+    want = F.cross_entropy(plain(tokens).float().flatten(0, 1), labels.flatten())
+    want.backward()
+    for chunk in (7, 32, 120, 0):  # uneven chunks, several, exactly one, and the derived size
+        chunked.zero_grad()
+        got = chunked(tokens, labels, loss_chunk=chunk)
+        got.backward()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        for (name, a), b in zip(plain.named_parameters(), chunked.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_chunked_loss_never_holds_all_logits():
+    """With chunks, no tensor of the full (N, V) logits is saved for backward."""
+    args = tiny(vocab_size=1024)
+    model = build(args)
+    tokens, labels = torch.randint(0, 1024, (2, 64)), torch.randint(0, 1024, (2, 64))
+    biggest = 0
+
+    def pack(t):
+        nonlocal biggest
+        biggest = max(biggest, t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, labels, loss_chunk=16).backward()
+    assert biggest < 128 * 1024  # the logits would be (128, 1024); the largest saved is the head weight
+    assert biggest == 1024 * 64  # (V, D)

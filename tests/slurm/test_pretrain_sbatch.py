@@ -27,7 +27,7 @@ CPU_JOB = ["--gpus-per-node=0", "--cpus-per-task=1"]
 CPU_ENV = {"GPUS_PER_NODE": "0"}
 # A global batch of 4 sequences of 32 tokens: ~0.1-0.2 s a step with two ranks on this machine.
 SEQ, BATCH = 32, 4
-FAST = [f"data.seq_len={SEQ}", "train.micro_batch_size=2", f"train.global_batch_size={BATCH}",
+FAST = [f"data.seq_len={SEQ}", "train.micro_batch_size=2", f"train.global_batch_size={BATCH}", "distributed.zero_stage=3",
         "logging.log_every=1", "logging.progress=false"]
 
 

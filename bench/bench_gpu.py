@@ -1,0 +1,201 @@
+"""GPU throughput, MFU and peak memory: the trainer, the same model in a plain PyTorch loop, and HF
+LlamaForCausalLM, measured in one run on one GPU.
+
+    python bench/bench_gpu.py                                   # 125m, 350m, 1b at seq 2048, bf16
+    python bench/bench_gpu.py --presets 125m --json $OUT/gpu.json
+    python bench/bench_gpu.py --device cpu --presets tiny --seq-len 128 --steps 6 --warmup 2   # smoke test
+
+For each preset, activation checkpointing off and on (every block), compile off and on:
+- trainer: `pretrain train` (DeepSpeed, ZeRO stage 0 on one device, bf16 with fp32 master weights,
+  the chunked loss), on a synthetic prepared token source written here (random ids; no tokenizing);
+- plain: the same model in a textbook loop: bf16 autocast over fp32 weights, fused AdamW, clipping;
+- hf: transformers' LlamaForCausalLM of the same shape (SDPA attention), the same loop.
+The three alternate within each configuration. MFU = tokens/s x the PaLM FLOPs per token / peak
+(989e12, H100/H200 bf16 dense). Vocabulary 32,000 (the presets' own). Prints a table; --json
+writes every figure. Needs deepspeed (and no datasets, wandb): see docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PEAK = 989e12
+VOCAB = 32000
+MICRO = {"tiny": 4, "125m": 16, "350m": 8, "1b": 4}  # sequences per micro-batch at seq 2048
+
+
+def synthetic_source(out: Path, tokens: int) -> Path:
+    """A prepared source of random token ids (below the builtin tokenizer's 4096) with the meta the
+    loader checks."""
+    import numpy as np
+
+    import data_pipeline as dp
+    from data_pipeline.sources import PREPARED_FORMAT
+
+    tok = dp.load_tokenizer("builtin:python-docs-bpe")
+    out.mkdir(parents=True, exist_ok=True)
+    np.random.default_rng(0).integers(0, 4096, tokens, dtype=np.uint16).tofile(out / "tokens-00000.bin")
+    meta = {"format": PREPARED_FORMAT, "tokenizer": "builtin:python-docs-bpe",
+            "tokenizer_fingerprint": dp.tokenizer_fingerprint(tok), "eot_id": dp.eot_id(tok), "vocab_size": 4096,
+            "dtype": "uint16", "tokens": tokens, "docs": 1, "empty_docs": 0,
+            "source": {"path": "synthetic", "kind": "synthetic", "fingerprint": "random"},
+            "shards": [{"file": "tokens-00000.bin", "tokens": tokens}]}
+    (out / "meta.json").write_text(json.dumps(meta))
+    return out
+
+
+def run_trainer(a, preset: str, micro: int, ac: int, compile_: bool, data: Path) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pretrain", "train", str(REPO / "configs" / "tiny.yaml"),
+               f"model.preset={preset}", f"model.vocab_size={VOCAB}", f"model.max_seq_len={a.seq_len}",
+               f"data.sources=[{{path: {data}, kind: prepared}}]", "data.validation=[]", f"data.seq_len={a.seq_len}",
+               "data.num_streams=1", f"train.micro_batch_size={micro}", f"train.max_steps={a.steps}",
+               f"train.activation_checkpointing={ac}", f"train.compile={str(compile_).lower()}", "train.eval_every=0",
+               "distributed.zero_stage=0", f"logging.log_every={a.warmup}", "logging.wandb=disabled",
+               "logging.progress=false", f"train.run_dir={tmp}"]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        if proc.returncode:
+            return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+        rows = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "perf/tokens_per_s" in r][1:]  # the first window is the warm-up
+    out = {"tokens_per_s": statistics.median(r["perf/tokens_per_s_per_device"] for r in rows)}
+    if "memory/gpu_peak_allocated_gib" in rows[-1]:
+        out["peak_gib"] = max(r["memory/gpu_peak_allocated_gib"] for r in rows)
+    return out
+
+
+def run_loop(a, preset: str, micro: int, ac: int, compile_: bool, hf: bool) -> dict:
+    """The plain loop or HF's model (in this process), timed over the steps after the warm-up."""
+    import torch
+    import torch.nn.functional as F
+
+    from pretrain.model.args import PRESETS, ModelArgs
+    from pretrain.model.hf import to_hf_config
+    from pretrain.model.model import Transformer
+    from pretrain.parallelize import apply_activation_checkpointing
+
+    dev = torch.device(a.device)
+    args = ModelArgs(**{**PRESETS[preset], "vocab_size": VOCAB, "max_seq_len": a.seq_len})
+    torch.manual_seed(0)
+    if hf:
+        from transformers import LlamaForCausalLM
+
+        cfg = to_hf_config(args)
+        cfg._attn_implementation = "sdpa"
+        model = LlamaForCausalLM(cfg).to(dev)
+        if ac:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model = Transformer(args)
+        model.init_weights()
+        model = model.to(dev)
+        apply_activation_checkpointing(model, ac)
+    if compile_:
+        model.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
+    x = torch.randint(0, VOCAB, (micro, a.seq_len), device=dev)
+    y = torch.randint(0, VOCAB, (micro, a.seq_len), device=dev)
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for step in range(a.steps):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with autocast:
+            if hf:
+                loss = F.cross_entropy(model(x).logits.float().flatten(0, 1), y.flatten())
+            else:
+                loss = model(x, y)  # the chunked loss, as the trainer uses it
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        times.append(time.perf_counter() - t0)
+    out = {"tokens_per_s": micro * a.seq_len / statistics.median(times[a.warmup:])}
+    if dev.type == "cuda":
+        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--presets", default="125m,350m,1b")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps (compilation); --steps a multiple of it")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--json", help="write every figure here")
+    p.add_argument("--loop", help=argparse.SUPPRESS)  # child process: "plain|hf preset micro ac compile"
+    a = p.parse_args()
+    if a.loop:
+        kind, preset, micro, ac, comp = a.loop.split()
+        print(json.dumps(run_loop(a, preset, int(micro), int(ac), comp == "1", kind == "hf")))
+        return
+    from pretrain.model.args import PRESETS, ModelArgs
+    from pretrain.model.model import flops_per_token
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in a.presets.split(","):
+            micro = MICRO[preset]
+            data = synthetic_source(Path(tmp) / preset, (a.steps + 2) * micro * (a.seq_len + 1) + 1)
+            fpt = flops_per_token(ModelArgs(**{**PRESETS[preset], "vocab_size": VOCAB}), a.seq_len)
+            for ac in (0, 1):
+                for comp in (False, True):
+                    row = {"preset": preset, "micro_batch": micro, "seq_len": a.seq_len, "ac": ac, "compile": comp}
+                    kinds = ["trainer", "plain", "hf"]
+                    for kind in kinds if (ac + comp) % 2 == 0 else kinds[::-1]:  # alternate the order
+                        if kind == "trainer":
+                            got = run_trainer(a, preset, micro, ac, comp, data)
+                        else:
+                            proc = subprocess.run([sys.executable, __file__, "--device", a.device, "--seq-len",
+                                                   str(a.seq_len), "--steps", str(a.steps), "--warmup", str(a.warmup),
+                                                   "--loop", f"{kind} {preset} {micro} {ac} {int(comp)}"],
+                                                  cwd=REPO, capture_output=True, text=True)
+                            got = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else \
+                                {"error": proc.stderr.strip().splitlines()[-1:]}
+                        if "tokens_per_s" in got:
+                            got["mfu"] = got["tokens_per_s"] * fpt / PEAK
+                        row[kind] = got
+                    results.append(row)
+                    print(_line(row), flush=True)
+    print("\n| preset | AC | compile | trainer tok/s | MFU | peak GiB | plain tok/s | MFU | HF tok/s | MFU |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(_line(r))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"results": results, "peak_flops": PEAK, "vocab": VOCAB,
+                                            "device": _device(a.device)}, indent=1))
+
+
+def _line(r: dict) -> str:
+    def f(k, key, fmt):
+        v = r[k].get(key)
+        return fmt.format(v) if v is not None else r[k].get("error", "-") if key == "tokens_per_s" else "-"
+    return (f"| {r['preset']} | {r['ac']} | {int(r['compile'])} | {f('trainer', 'tokens_per_s', '{:,.0f}')} | "
+            f"{f('trainer', 'mfu', '{:.1%}')} | {f('trainer', 'peak_gib', '{:.1f}')} | "
+            f"{f('plain', 'tokens_per_s', '{:,.0f}')} | {f('plain', 'mfu', '{:.1%}')} | "
+            f"{f('hf', 'tokens_per_s', '{:,.0f}')} | {f('hf', 'mfu', '{:.1%}')} |")
+
+
+def _device(device: str) -> str:
+    import torch
+
+    name = torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else "cpu"
+    return f"{name}, torch {torch.__version__}, {os.cpu_count()} CPU cores"
+
+
+if __name__ == "__main__":
+    main()
