@@ -12,7 +12,7 @@ from data_pipeline.prepare import prepare  # binds the function over the submodu
 from data_pipeline.sources import resolve_source
 from data_pipeline.tokenizer import eot_id, load_tokenizer, padded_vocab_size, tokenizer_fingerprint, train_tokenizer
 
-_LAZY = ("TokenLoader", "build_loader", "build_validation_batches", "merge_states")
+_LAZY = ("TokenLoader", "build_loader", "build_validation_batches", "evaluation_windows", "merge_states")
 __all__ = ["DataConfig", "SourceConfig", "DataError", "prepare", "resolve_source", "eot_id", "load_tokenizer",
            "padded_vocab_size", "tokenizer_fingerprint", "train_tokenizer", *_LAZY]
 

@@ -317,3 +317,39 @@ def build_validation_batches(data_cfg: DataConfig, tokenizer=None, rank: int = 0
     loader = TokenLoader(plan, fingerprint, rank, world_size, micro_batch_size, num_workers=0)
     it = iter(loader)
     return [next(it) for _ in range(n_batches)]
+
+
+def evaluation_windows(data_cfg: DataConfig, tokenizer=None, rank: int = 0, world_size: int = 1,
+                       sequences: int = 0) -> Iterator:
+    """This rank's windows (seq_len + 1 tokens, numpy) of the validation sources, unshuffled, for
+    scoring a model: global sequences g = rank + world_size * m, the same windows at any world size.
+    `sequences` > 0: the first that many global sequences (those build_validation_batches gives).
+    0: one pass, every window that starts in the first epoch of its stream (a stream's last window
+    may run on into the start of the next epoch); the pass ends when every stream of this rank has
+    wrapped around."""
+    if not data_cfg.validation:
+        raise DataError("no validation data: add sources under data.validation")
+    plan, _ = _plan(data_cfg.validation, data_cfg, tokenizer, data_cfg.seed, shuffle=False)
+    if plan.num_streams % world_size:
+        raise DataError(f"data.num_streams={plan.num_streams} is not divisible by the world size {world_size}")
+    mine = {(j, s) for j in range(len(plan.sources)) for s in range(rank, plan.num_streams, world_size)
+            if data_cfg.validation[j].weight > 0}
+    epoch_before = dict.fromkeys(mine, 0)  # text streams report the position after each window
+    for item in _Sequences(plan, rank, world_size, 0, {}):
+        if isinstance(item, _WorkerError):
+            raise DataError(item.message)
+        w, g, j, s, state = item
+        if sequences:
+            if g >= sequences:
+                return
+            yield w
+            continue
+        prepared = isinstance(plan.sources[j], PreparedSource)
+        started_in = state["epoch"] if prepared else epoch_before[(j, s)]
+        epoch_before[(j, s)] = state["epoch"]
+        if started_in == 0:
+            yield w
+        elif (j, s) in mine:
+            mine.discard((j, s))
+            if not mine:
+                return

@@ -8,7 +8,7 @@ import logging
 import os
 from pathlib import Path
 
-from pretrain import distributed
+from pretrain import distributed, hub
 from pretrain.config import Config
 from pretrain.errors import ConfigError
 from pretrain.metrics import JsonlLogger, Loggers, MetricLogger, WandbLogger
@@ -22,13 +22,35 @@ def tokenizer_and_model_args(cfg: Config):
     import data_pipeline as dp
 
     tokenizer = dp.load_tokenizer(cfg.data.tokenizer)
-    args = dataclasses.replace(cfg.model)
+    args = hf_model_args(cfg) if hub.is_hf_model(cfg.checkpoint.init_from) else dataclasses.replace(cfg.model)
     if not args.vocab_size:
         args.vocab_size = dp.padded_vocab_size(tokenizer, args.vocab_multiple_of)
     elif args.vocab_size < tokenizer.get_vocab_size():
         raise ConfigError(f"model.vocab_size={args.vocab_size} is smaller than the tokenizer's "
                           f"{tokenizer.get_vocab_size()} tokens: set it to 0 to derive it")
     return tokenizer, args
+
+
+# What defines the architecture; model.max_seq_len (the RoPE table) may be set freely.
+_ARCH = ("dim", "n_layers", "n_heads", "kv_heads", "hidden_dim", "vocab_size", "norm_eps", "rope_theta",
+         "tie_embeddings", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+         "rope_original_max_seq_len")
+
+
+def hf_model_args(cfg: Config) -> ModelArgs:
+    """The model of `checkpoint.init_from`, a Hugging Face model: its config.json defines it. A field
+    the run config's `model:` section sets to another value is an error, not silently mixed."""
+    path = hub.resolve(cfg.checkpoint.init_from)
+    args, default = hub.model_args(path), ModelArgs()
+    differ = [f"model.{f}={getattr(cfg.model, f)} (config.json: {getattr(args, f)})" for f in _ARCH
+              if getattr(cfg.model, f) != getattr(default, f) and getattr(cfg.model, f) != getattr(args, f)]
+    if differ:
+        raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from}: the model is defined by "
+                          f"{path / 'config.json'}, and the run config differs in " + ", ".join(differ)
+                          + ": remove these from the model section (or make them match)")
+    if cfg.model.max_seq_len != default.max_seq_len:
+        args.max_seq_len = cfg.model.max_seq_len
+    return args
 
 
 def data(cfg: Config, tokenizer, env: distributed.Dist):

@@ -297,7 +297,17 @@ class CheckpointManager:
         return None
 
     def _finetune_start(self, run_id: str) -> Start:
+        from pretrain import hub
+
         c = self.cfg
+        if hub.is_hf_model(c.init_from):
+            if c.init_load_optimizer or c.init_keep_step:
+                raise collective(CheckpointError(
+                    f"checkpoint.init_from={c.init_from} is a Hugging Face model, which has weights only: "
+                    "unset checkpoint.init_load_optimizer and checkpoint.init_keep_step"))
+            path = hub.resolve(c.init_from)
+            log.info("continuing pretraining from the Hugging Face model %s", path)
+            return Start("finetune", run_id, path, None, 0)
         ckpt = distributed.on_main(resolve_checkpoint, c.init_from)
         problem = self._corruption(ckpt)
         if problem:
@@ -598,12 +608,17 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def load_weights(model: torch.nn.Module, ckpt: Path, env: distributed.Dist, zero3: bool) -> None:
-    """Copy a checkpoint's weights into a freshly built (possibly ZeRO-3 partitioned) model.
-    Rank 0 consolidates and reads; the values reach the other ranks through the gather/broadcast."""
-    state = consolidated_state_dict(ckpt) if env.is_main else {}
-    names = [n for n, _ in model.named_parameters()]
-    missing = [n for n in names if n not in state] if env.is_main else []
-    problem = distributed.broadcast_object(f"checkpoint {ckpt} lacks {missing[:3]}" if missing else None)
+    """Copy the weights of a checkpoint or a Hugging Face model directory into a freshly built
+    (possibly ZeRO-3 partitioned) model. Rank 0 reads (a checkpoint consolidated, an HF model one
+    tensor at a time); the values reach the other ranks through the gather/broadcast, one parameter
+    at a time, so no rank holds the whole model at once beyond what its reader needs."""
+    from pretrain import hub
+
+    state = {}
+    if env.is_main:
+        state = hub.LazyWeights(ckpt, model.args) if hub.is_hf_model(ckpt) else consolidated_state_dict(ckpt)
+    problem = _mismatch(model, state, ckpt) if env.is_main else None
+    problem = distributed.broadcast_object(problem)
     if problem:
         raise collective(CheckpointError(problem))
     import deepspeed
@@ -619,3 +634,18 @@ def load_weights(model: torch.nn.Module, ckpt: Path, env: distributed.Dist, zero
                 param.data.copy_(state[name])
             if env.world_size > 1:
                 dist.broadcast(param.data, src=0)
+
+
+def _mismatch(model: torch.nn.Module, state, source: Path) -> str | None:
+    """What keeps `state` (a dict or hub.LazyWeights) from loading into `model`, checked before any
+    rank starts copying: missing parameters, other shapes (ZeRO-3 keeps the full one in ds_shape)."""
+    params = dict(model.named_parameters())
+    missing = [n for n in params if n not in state]
+    if missing:
+        return f"checkpoint {source} lacks {missing[:3]}"
+    for name, param in params.items():
+        want = tuple(getattr(param, "ds_shape", param.shape))
+        got = tuple(state.shape(name) if hasattr(state, "shape") else state[name].shape)
+        if got != want:
+            return f"{source}: {name} has shape {got}, the model {want}"
+    return None

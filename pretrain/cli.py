@@ -50,7 +50,13 @@ def _prepare(args) -> None:
 def _export(args) -> None:
     from pretrain.export import export
 
-    export(args.checkpoint, args.out_dir)
+    export(args.checkpoint, args.out_dir, args.dtype)
+
+
+def _eval(args) -> None:
+    from pretrain.evaluate import eval_cli
+
+    eval_cli(args)
 
 
 def _estimate(args) -> None:
@@ -100,7 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="export a checkpoint to Hugging Face Llama format")
     ex.add_argument("checkpoint", help="checkpoint directory (a step folder or a run's checkpoints dir)")
     ex.add_argument("out_dir", help="output directory (safetensors, config.json, tokenizer files)")
+    ex.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the exported weights")
     ex.set_defaults(fn=_export)
+
+    ev = sub.add_parser("eval", help="loss, perplexity and bits per byte of a model on held-out data")
+    ev.add_argument("model", help="checkpoint, run dir, Hugging Face model directory or hub:NAME")
+    ev.add_argument("config", nargs="?", help="YAML run config for the data (default: the checkpoint's own)")
+    ev.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.seq_len=512")
+    ev.add_argument("--data", help="score this source instead (a local file, glob, folder, or hub dataset name)")
+    ev.add_argument("--batches", type=int, default=0, help="score the first N global batches (0 = one full pass)")
+    ev.add_argument("--micro-batch-size", type=int, default=0, help="sequences per forward (0 = the config's)")
+    ev.add_argument("--json", help="also write the result to this JSON file")
+    ev.set_defaults(fn=_eval)
 
     est = with_config(sub.add_parser("estimate", help="parameters, FLOPs, memory per GPU, step time, "
                                                       "communication for a run config"))

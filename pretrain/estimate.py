@@ -182,7 +182,14 @@ def estimate_cli(args) -> None:
 
 
 def _model_args(cfg: Config) -> ModelArgs:
-    """The model shape with its vocabulary size, from the config's tokenizer if it is not set."""
+    """The model shape with its vocabulary size: a Hugging Face init_from's config.json, or the config's
+    model with the vocabulary from its tokenizer if it is not set."""
+    from pretrain import hub
+
+    if hub.is_hf_model(cfg.checkpoint.init_from):
+        from pretrain.build import hf_model_args
+
+        return hf_model_args(cfg)
     if cfg.model.vocab_size:
         return cfg.model
     from data_pipeline.errors import DataError

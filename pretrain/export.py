@@ -18,7 +18,7 @@ import yaml
 from pretrain.checkpoint import consolidated_state_dict, open_checkpoint
 from pretrain.config import config_from_dict
 from pretrain.errors import CheckpointError
-from pretrain.model.hf import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
+from pretrain.model.hf import rope_scaling, to_hf_config, to_hf_state_dict
 from pretrain.model.model import Transformer
 
 
@@ -34,15 +34,20 @@ def _checkpoint_parts(ckpt: Path):
     return cfg.model, tokenizer, dp.eot_id(tokenizer, cfg.data.eot_token)
 
 
-def export(checkpoint: str, out_dir: str) -> Path:
+DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
+
+
+def export(checkpoint: str, out_dir: str, dtype: str = "fp32") -> Path:
     """Write a Hugging Face Llama model + tokenizer for `checkpoint` (a step folder or a run's
-    checkpoints folder) into out_dir."""
+    checkpoints folder) into out_dir, in fp32 or bf16; transformers 4.4x and 5.x both read it."""
     from safetensors.torch import save_file
     from transformers import PreTrainedTokenizerFast
 
+    torch_dtype, dtype_name = DTYPES[dtype]
     ckpt, _ = open_checkpoint(checkpoint)  # verified against its manifest before anything is read
     args, tokenizer, eot = _checkpoint_parts(ckpt)
-    state = to_hf_state_dict(consolidated_state_dict(ckpt), args)
+    state = {k: v.to(torch_dtype) for k, v in consolidated_state_dict(ckpt).items()}
+    state = to_hf_state_dict(state, args)
     if args.tie_embeddings:  # safetensors stores a tensor once; HF re-ties lm_head on load
         state.pop("lm_head.weight")
     out = Path(out_dir)
@@ -50,33 +55,42 @@ def export(checkpoint: str, out_dir: str) -> Path:
     save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
     hf_config = to_hf_config(args)
     hf_config.eos_token_id = hf_config.bos_token_id = eot
-    hf_config.torch_dtype = "float32"
     hf_config.save_pretrained(out)
+    # transformers 5 writes the RoPE settings only inside `rope_parameters`; 4.x reads only the top-level
+    # `rope_theta` and `rope_scaling` (without them it silently uses theta 10000). Write both.
+    config = json.loads((out / "config.json").read_text())
+    config.update(rope_theta=args.rope_theta, rope_scaling=rope_scaling(args), torch_dtype=dtype_name)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     eot_token = tokenizer.id_to_token(eot)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eot_token, bos_token=eot_token,
                             unk_token=eot_token).save_pretrained(out)
+    # 5.x names its class TokenizersBackend, which 4.x does not know; both load this one.
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_config.pop("backend", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     print(f"exported {ckpt} -> {out}", flush=True)
     return out
 
 
-def load_for_inference(path: str, device: str = "cpu"):
-    """(model, tokenizer, eot id) from an export directory or a checkpoint."""
+def load_for_inference(path: str, device: str = "cpu", verified: bool = False):
+    """(model, tokenizer, eot id) from a Hugging Face model directory (an export, or any supported
+    model: pretrain/hub.py), `hub:NAME`, or a checkpoint (verified first unless `verified`)."""
     import data_pipeline as dp
+    from pretrain import hub
 
-    p = Path(path)
-    if (p / "config.json").is_file() and (p / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-        from transformers import LlamaConfig
-
-        hf_config = LlamaConfig.from_pretrained(p)
-        args = from_hf_config(hf_config)
-        state = from_hf_state_dict(load_file(p / "model.safetensors"), args)
-        tokenizer = dp.load_tokenizer(str(p / "tokenizer.json"))
-        eot = hf_config.eos_token_id
+    if hub.is_hf_model(path):
+        p = hub.resolve(str(path))
+        args = hub.model_args(p)
+        state = hub.LazyWeights(p, args).state_dict()
+        tokenizer = dp.load_tokenizer(str(p))
+        eot = json.loads((p / "config.json").read_text()).get("eos_token_id")
+        if isinstance(eot, list):
+            eot = eot[0]
     else:
-        ckpt, _ = open_checkpoint(path)
+        ckpt = Path(path) if verified else open_checkpoint(path)[0]
         args, tokenizer, eot = _checkpoint_parts(ckpt)
         state = consolidated_state_dict(ckpt)
     model = Transformer(args)
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     return model.to(device).eval(), tokenizer, eot

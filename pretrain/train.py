@@ -15,6 +15,7 @@ Only this module's top-level imports run before the signal handler is installed,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -141,7 +142,7 @@ def _train(cfg, env, stop: StopSignal):
     try:
         tokenizer, model_args = distributed.agree(build.tokenizer_and_model_args, cfg)
         resolved = cfg.to_dict()
-        resolved["model"]["vocab_size"] = model_args.vocab_size
+        resolved["model"] = dataclasses.asdict(model_args)  # filled from the tokenizer or an HF config.json
         import data_pipeline as dp
 
         provenance = _provenance()

@@ -19,6 +19,10 @@ class ModelArgs:
     ffn_hidden_dim: int = 0  # explicit SwiGLU hidden size; overrides the rule above (0 = derive)
     norm_eps: float = 1e-5  # RMSNorm epsilon
     rope_theta: float = 10000.0  # RoPE base frequency
+    rope_scaling_factor: float = 0.0  # Llama 3.1 ("llama3") RoPE scaling: low frequencies slowed this much (0 = none)
+    rope_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above original/low_freq_factor are scaled fully
+    rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original/high_freq_factor are kept
+    rope_original_max_seq_len: int = 8192  # llama3 scaling: the context the model was pretrained at
     max_seq_len: int = 2048  # longest sequence in tokens (RoPE table and KV-cache size)
     tie_embeddings: bool = False  # share the token embedding and the LM head weights
     init_std: float = 0.02  # std of normal init; output projections use init_std / sqrt(2 * n_layers)
@@ -59,6 +63,10 @@ class ModelArgs:
         if self.n_heads % self.kv_heads:
             out.append(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads="
                        f"{self.n_kv_heads}: use a divisor of n_heads (e.g. {_divisor_hint(self.n_heads)})")
+        if self.rope_scaling_factor and (self.rope_scaling_factor < 1 or self.rope_original_max_seq_len <= 0
+                                         or not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+            out.append("model.rope_scaling_factor must be 0 (none) or >= 1, with 0 < rope_low_freq_factor < "
+                       "rope_high_freq_factor and rope_original_max_seq_len > 0")
         if self.init_std <= 0:
             out.append(f"model.init_std={self.init_std} must be positive")
         return out

@@ -48,8 +48,9 @@ def to_hf_config(args: ModelArgs):
         hidden_act="silu",
         max_position_embeddings=args.max_seq_len,
         rms_norm_eps=args.norm_eps,
-        # transformers 5 moves this into rope_parameters itself; 4.x keeps the attribute.
+        # transformers 5 moves these into rope_parameters itself; 4.x keeps the attributes.
         rope_theta=args.rope_theta,
+        rope_scaling=rope_scaling(args),
         tie_word_embeddings=args.tie_embeddings,
         initializer_range=args.init_std,
         attention_bias=False,
@@ -57,34 +58,71 @@ def to_hf_config(args: ModelArgs):
     )
 
 
+def rope_scaling(args: ModelArgs) -> dict | None:
+    """HF's `rope_scaling` of the model (None without scaling)."""
+    if not args.rope_scaling_factor:
+        return None
+    return {"rope_type": "llama3", "factor": args.rope_scaling_factor, "low_freq_factor": args.rope_low_freq_factor,
+            "high_freq_factor": args.rope_high_freq_factor,
+            "original_max_position_embeddings": args.rope_original_max_seq_len}
+
+
+# model_type -> why it does not load (anything else but llama and mistral: "not a Llama architecture")
+_REFUSED = {"qwen2": "attention biases", "qwen3": "q/k norms", "gemma": "a different norm and MLP",
+            "gemma2": "soft-capping and sliding windows", "mixtral": "a mixture of experts",
+            "qwen2_moe": "a mixture of experts", "phi3": "fused projections", "olmo2": "q/k norms"}
+
+
 def from_hf_config(cfg) -> ModelArgs:
-    """ModelArgs of a `LlamaConfig`; raises ValueError for features this model lacks."""
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None))
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    """ModelArgs of a transformers config object (see from_hf_dict)."""
+    return from_hf_dict(cfg.to_dict())
+
+
+def from_hf_dict(raw: dict) -> ModelArgs:
+    """ModelArgs from a `config.json` as a dict, written by transformers 4.x (`rope_theta`,
+    `rope_scaling`) or 5.x (`rope_parameters`). Raises ValueError naming every feature this model
+    lacks: only Llama-architecture models (llama; mistral without a sliding window) load."""
+    model_type = raw.get("model_type", "llama")
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", raw.get("rope_theta"))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or hidden // heads
     bad = []
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        bad.append(f"RoPE scaling {rope} (only plain RoPE is supported)")
-    if head_dim * cfg.num_attention_heads != cfg.hidden_size:
+    if model_type not in ("llama", "mistral"):
+        bad.append(f"model_type {model_type!r} ({_REFUSED.get(model_type, 'not a Llama architecture')})")
+    if raw.get("sliding_window") and raw.get("use_sliding_window", True):
+        bad.append(f"sliding-window attention (sliding_window={raw['sliding_window']})")
+    if raw.get("num_local_experts") or raw.get("num_experts"):
+        bad.append("a mixture of experts")
+    if rope_type not in ("default", "llama3"):
+        bad.append(f"RoPE scaling {rope_type!r} (plain RoPE and llama3 load)")
+    if head_dim * heads != hidden:
         bad.append(f"head_dim={head_dim} != hidden_size / num_attention_heads")
-    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+    if raw.get("attention_bias") or raw.get("mlp_bias"):
         bad.append("attention_bias/mlp_bias (this model has no biases)")
-    if cfg.hidden_act != "silu":
-        bad.append(f"hidden_act={cfg.hidden_act!r} (SwiGLU needs silu)")
+    if raw.get("hidden_act", "silu") != "silu":
+        bad.append(f"hidden_act={raw['hidden_act']!r} (SwiGLU needs silu)")
     if bad:
-        raise ValueError("cannot convert this Llama config: " + "; ".join(bad))
+        raise ValueError("not supported: " + "; ".join(bad))
+    scaling = {}
+    if rope_type == "llama3":
+        scaling = dict(rope_scaling_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
+                       rope_high_freq_factor=float(rope["high_freq_factor"]),
+                       rope_original_max_seq_len=int(rope["original_max_position_embeddings"]))
     return ModelArgs(
-        dim=cfg.hidden_size,
-        n_layers=cfg.num_hidden_layers,
-        n_heads=cfg.num_attention_heads,
-        n_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
-        vocab_size=cfg.vocab_size,
-        ffn_hidden_dim=cfg.intermediate_size,
-        norm_eps=cfg.rms_norm_eps,
+        dim=hidden,
+        n_layers=raw["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=raw.get("num_key_value_heads") or heads,
+        vocab_size=raw["vocab_size"],
+        ffn_hidden_dim=raw["intermediate_size"],
+        norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=float(theta if theta is not None else 10000.0),
-        max_seq_len=cfg.max_position_embeddings,
-        tie_embeddings=bool(cfg.tie_word_embeddings),
-        init_std=cfg.initializer_range,
+        max_seq_len=raw.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        init_std=raw.get("initializer_range", 0.02),
+        **scaling,
     )
 
 

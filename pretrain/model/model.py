@@ -41,9 +41,23 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def precompute_freqs_cis(head_dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
-    """RoPE table for positions 0..end-1: (end, head_dim // 2, 2) fp32, last axis (cos, sin)."""
+def precompute_freqs_cis(head_dim: int, end: int, theta: float = 10000.0,
+                         scaling: tuple[float, float, float, int] | None = None) -> torch.Tensor:
+    """RoPE table for positions 0..end-1: (end, head_dim // 2, 2) fp32, last axis (cos, sin).
+
+    `scaling` = (factor, low_freq_factor, high_freq_factor, original context): Llama 3.1's RoPE
+    scaling, as transformers computes it ("llama3"): wavelengths longer than original/low are
+    stretched by `factor`, shorter than original/high kept, and those in between interpolated.
+    """
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling:
+        factor, low, high, original = scaling
+        wavelen = 2 * math.pi / freqs
+        scaled = torch.where(wavelen > original / low, freqs / factor, freqs)
+        smooth = (original / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+        freqs = torch.where(medium, smoothed, scaled)
     angles = torch.outer(torch.arange(end, dtype=torch.float32), freqs)  # (end, hd/2)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
@@ -207,7 +221,10 @@ class Transformer(nn.Module):
         self.register_buffer("freqs_cis", self._rope_table(), persistent=False)
 
     def _rope_table(self, device: torch.device | str | None = None) -> torch.Tensor:
-        return precompute_freqs_cis(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta).to(device)
+        a = self.args
+        scaling = (a.rope_scaling_factor, a.rope_low_freq_factor, a.rope_high_freq_factor,
+                   a.rope_original_max_seq_len) if a.rope_scaling_factor else None
+        return precompute_freqs_cis(a.head_dim, a.max_seq_len, a.rope_theta, scaling).to(device)
 
     def _apply(self, fn, recurse=True):
         # model.to(bf16) / .half() would round the RoPE table and cost bf16 training its accuracy

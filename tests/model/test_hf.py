@@ -1,5 +1,7 @@
 """Parity and lossless conversion against transformers' LlamaForCausalLM (built from config, no download)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -105,3 +107,55 @@ def test_unknown_keys_are_refused():
     sd["layers.0.attention.wq.bias"] = torch.zeros(64)
     with pytest.raises(ValueError, match="wq.bias"):
         to_hf_state_dict(sd, args)
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+
+
+def llama31_style(tied=False):
+    """A Llama 3.1-style HF model: llama3 RoPE scaling from an original context of 32 to 256."""
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   rope_theta=500000.0, rope_scaling=dict(LLAMA3), tie_word_embeddings=tied,
+                                   rms_norm_eps=1e-5)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).float().eval()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama3_rope_scaling_matches_hf_past_the_original_context(tied):
+    hf = llama31_style(tied)
+    args = from_hf_config(hf.config)
+    assert (args.rope_scaling_factor, args.rope_original_max_seq_len) == (8.0, 32)
+    ours = Transformer(args)
+    ours.load_state_dict(from_hf_state_dict(hf.state_dict(), args), strict=True)
+    ours.eval()
+    tokens = torch.randint(0, 256, (2, 200), generator=torch.Generator().manual_seed(1))  # 200 > 32
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
+    # Without the scaling the logits past position 32 are not HF's: the test sees the difference.
+    plain = Transformer(dataclasses.replace(args, rope_scaling_factor=0.0))
+    plain.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        assert (plain(tokens)[:, 40:] - hf(tokens).logits[:, 40:]).abs().max() > 1e-3
+    # Greedy generation with the KV cache gives HF's tokens, well past the original context.
+    from pretrain.model.generate import sample
+
+    prompt = tokens[0, :20].tolist()
+    got = sample(ours, prompt, 100, temperature=0.0)
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=100, do_sample=False, min_new_tokens=100,
+                       pad_token_id=0)[0, 20:].tolist()
+    assert got == want
+
+
+def test_config_json_of_4x_and_5x_read_the_same():
+    """transformers 4.x writes `rope_theta` and `rope_scaling`, 5.x `rope_parameters`."""
+    from pretrain.model.hf import from_hf_dict
+
+    base = dict(model_type="llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=2, intermediate_size=160, vocab_size=256, max_position_embeddings=256)
+    v4 = from_hf_dict({**base, "rope_theta": 500000.0, "rope_scaling": dict(LLAMA3)})
+    v5 = from_hf_dict({**base, "rope_parameters": {**LLAMA3, "rope_theta": 500000.0}})
+    assert v4 == v5 and v4.rope_theta == 500000.0 and v4.rope_scaling_factor == 8.0

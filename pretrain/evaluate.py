@@ -1,0 +1,119 @@
+"""`pretrain eval MODEL [CONFIG] [overrides]`: loss, perplexity and bits per byte of a model on data
+it was not trained on.
+
+MODEL is a checkpoint (a step folder), a run dir or checkpoints folder (its newest complete
+checkpoint), or a Hugging Face model directory / `hub:NAME`. The config gives the data: CONFIG if
+given, else the config saved in the checkpoint; its validation sources, else its training sources,
+or the one source `--data PATH_OR_HUB_NAME`. The model's own tokenizer is used. `--batches N` scores
+the first N global batches (train.global_batch_size sequences each: the ones the training run's own
+evaluation scores with train.eval_batches=N); without it, one full pass.
+
+Every rank holds the whole model (no ZeRO: scoring needs no optimizer state) and scores global
+sequences rank, rank + W, ...; the sums are reduced, so the result is the same at any world size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _config(model_path: Path, is_hf: bool, config: str | None, overrides: list[str], data: str | None):
+    from data_pipeline.config import SourceConfig
+    from pretrain.config import load_config
+    from pretrain.errors import ConfigError
+
+    if config is None and not is_hf:
+        config = str(model_path / "config.yaml")
+    if config is None and data is None:
+        raise ConfigError(f"{model_path} is a Hugging Face model: give a CONFIG with the data, or --data SOURCE")
+    cfg = load_config(config, overrides)
+    if data is not None:
+        cfg.data.validation = [SourceConfig(path=data)]
+    elif not cfg.data.validation:
+        log.info("eval: the config has no validation sources: scoring its training sources")
+        cfg.data.validation = list(cfg.data.sources)
+    return cfg
+
+
+def evaluate(model, tokenizer, cfg, env, batches: int = 0, micro_batch_size: int = 0) -> dict:
+    """{"loss", "perplexity", "bits_per_byte", "tokens", "bytes", "sequences"} over this world."""
+    import torch.distributed as dist
+
+    import data_pipeline as dp
+
+    sequences = batches * cfg.global_batch(env.world_size) if batches else 0
+    windows = dp.evaluation_windows(cfg.data, tokenizer, env.rank, env.world_size, sequences)
+    B = micro_batch_size or cfg.train.micro_batch_size
+    sums = torch.zeros(4, dtype=torch.float64)  # loss sum (nats), tokens, bytes, sequences
+    done = False
+    with torch.no_grad():
+        while not done:
+            rows = []
+            for w in windows:
+                rows.append(torch.from_numpy(w.astype("int64")))
+                if len(rows) == B:
+                    break
+            else:
+                done = True
+            if not rows:
+                break
+            batch = torch.stack(rows).to(env.device)
+            inputs, labels = batch[:, :-1], batch[:, 1:]
+            loss = model(inputs, labels)  # mean over the batch's tokens, fp32
+            sums[0] += float(loss) * labels.numel()
+            sums[1] += labels.numel()
+            sums[2] += sum(len(tokenizer.decode(row.tolist(), skip_special_tokens=False).encode("utf-8"))
+                           for row in labels.cpu())
+            sums[3] += len(rows)
+    if dist.is_initialized() and env.world_size > 1:
+        dist.all_reduce(sums)
+    loss_sum, tokens, n_bytes, n_seq = sums.tolist()
+    if not tokens:
+        from pretrain.errors import UserError
+
+        raise UserError("eval: the data gave no sequences to score")
+    loss = loss_sum / tokens
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
+            "bits_per_byte": loss_sum / (math.log(2) * n_bytes) if n_bytes else float("nan"),
+            "tokens": int(tokens), "bytes": int(n_bytes), "sequences": int(n_seq)}
+
+
+def eval_cli(args) -> None:
+    from pretrain import distributed, hub
+    from pretrain.export import load_for_inference
+
+    from pretrain.checkpoint import open_checkpoint
+
+    if args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+        args.overrides, args.config = [args.config, *args.overrides], None  # overrides without a CONFIG
+    if args.batches < 0 or args.micro_batch_size < 0:
+        from pretrain.errors import ConfigError
+
+        raise ConfigError("--batches and --micro-batch-size must be >= 0")
+    env = distributed.init("auto")
+    is_hf = hub.is_hf_model(args.model)
+    path = hub.resolve(args.model) if is_hf else distributed.agree(lambda: open_checkpoint(args.model)[0])
+    cfg = _config(path, is_hf, args.config, args.overrides, args.data)
+    model, tokenizer, _ = load_for_inference(str(path), str(env.device), verified=True)
+    if env.device.type == "cuda":
+        model = model.to(torch.bfloat16)
+    if cfg.data.seq_len > model.args.max_seq_len:
+        from pretrain.errors import ConfigError
+
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} is longer than the model's max_seq_len "
+                          f"{model.args.max_seq_len}: lower data.seq_len")
+    result = evaluate(model, tokenizer, cfg, env, args.batches, args.micro_batch_size)
+    result = {"model": str(path), "world_size": env.world_size, **result}
+    if env.is_main:
+        print(f"eval {path}: loss {result['loss']:.4f} | perplexity {result['perplexity']:.2f} | "
+              f"bits per byte {result['bits_per_byte']:.4f} | {result['sequences']:,} sequences, "
+              f"{result['tokens']:,} tokens", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))

@@ -1,0 +1,244 @@
+"""Continued pretraining from Hugging Face models, `pretrain eval`, and exports that transformers 4.x
+and 5.x read: HF -> our checkpoint -> HF is lossless (sharded safetensors in, ZeRO-3 at 2 ranks),
+the refusals, eval equal across world sizes, to the training run's own eval and to its export."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import REPO, free_port, read_metrics, run_train, train_env
+
+pytestmark = pytest.mark.slow
+transformers = pytest.importorskip("transformers")
+
+CONTINUE = REPO / "configs" / "continue_smollm2.yaml"  # init_from and tokenizer overridden to local dirs
+BUILTIN_TOKENIZER = REPO / "data_pipeline" / "assets" / "python-docs-bpe.json"
+SMALL = ["data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", "logging.wandb=disabled",
+         "logging.log_every=1"]
+
+
+def hf_llama_dir(path: Path, tied=False, rope_scaling=None, shard=True, **extra) -> Path:
+    """A randomly initialised LlamaForCausalLM saved by transformers (sharded safetensors), with our
+    builtin tokenizer, as a user's downloaded model directory would look."""
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(BUILTIN_TOKENIZER)).get_vocab_size()
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=50000.0,
+        tie_word_embeddings=tied, rope_scaling=rope_scaling, **extra)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).float()
+    model.save_pretrained(path, max_shard_size="100KB" if shard else "10GB")
+    shutil.copy(BUILTIN_TOKENIZER, path / "tokenizer.json")
+    return path
+
+
+def hf_weights(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def pretrain_cmd(*args, nproc=1, timeout=300, check=True):
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "pretrain", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+               str(free_port()), "-m", "pretrain", *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def one_error_line(proc) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("pretrain: error:")]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_hf_in_zero3_at_two_ranks_then_export_is_lossless(tmp_path, tied):
+    """A sharded HF model -> `checkpoint.init_from` into a ZeRO-3 model at 2 ranks -> one step at
+    lr 0 -> our checkpoint -> export: the same tensors, bit for bit."""
+    src = hf_llama_dir(tmp_path / "hf", tied=tied)
+    assert len(list(src.glob("model-*-of-*.safetensors"))) > 1  # really sharded
+    run = tmp_path / "run"
+    proc = run_train(SMALL + [f"checkpoint.init_from={src}", f"data.tokenizer={src}", "optimizer.lr=0",
+                              "schedule.min_lr=0", "train.max_steps=1", "distributed.zero_stage=3",
+                              f"train.run_dir={run}"], nproc=2, config=CONTINUE)
+    assert "from the Hugging Face model" in proc.stdout
+    pretrain_cmd("export", str(run / "checkpoints"), str(tmp_path / "out"))
+    want, got = hf_weights(src), hf_weights(tmp_path / "out")
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_a_differing_model_section_is_reported(tmp_path):
+    src = hf_llama_dir(tmp_path / "hf", shard=False)
+    proc = run_train(SMALL + [f"checkpoint.init_from={src}", f"data.tokenizer={src}", "model.dim=128",
+                              f"train.run_dir={tmp_path / 'run'}"], check=False, config=CONTINUE)
+    line = one_error_line(proc)
+    assert "model.dim=128" in line and "64" in line and "config.json" in line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("change,named", [
+    (dict(model_type="qwen2"), "qwen2"),
+    (dict(model_type="mistral", sliding_window=32), "sliding"),
+    (dict(model_type="mixtral", num_local_experts=8), "experts"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 50000.0}), "yarn"),
+    (dict(attention_bias=True), "bias"),
+])
+def test_unsupported_architectures_are_refused_in_one_line(tmp_path, change, named):
+    src = hf_llama_dir(tmp_path / "hf", shard=False)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(change)
+    (src / "config.json").write_text(json.dumps(cfg))
+    proc = run_train(SMALL + [f"checkpoint.init_from={src}", f"data.tokenizer={src}",
+                              f"train.run_dir={tmp_path / 'run'}"], check=False, config=CONTINUE)
+    line = one_error_line(proc)
+    assert named in line and "not supported" in line
+
+
+def test_a_hub_model_that_cannot_be_downloaded_is_one_line(tmp_path, monkeypatch):
+    """hub:NAME goes through huggingface_hub (offline here: the same path as a failed download)."""
+    from pretrain import hub
+    from pretrain.errors import CheckpointError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    hub.resolve.cache_clear()
+    with pytest.raises(CheckpointError, match="could not download the model 'nobody/no-such-model'") as e:
+        hub.resolve("hub:nobody/no-such-model")
+    assert "\n" not in str(e.value)
+
+
+def test_weights_that_do_not_fit_their_config_are_refused_before_loading(tmp_path):
+    """A config.json whose vocab_size disagrees with the stored embedding: one line, at 2 ranks
+    (rank 0 checks every shape from the file headers before any rank starts copying)."""
+    src = hf_llama_dir(tmp_path / "hf")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["vocab_size"] += 128
+    (src / "config.json").write_text(json.dumps(cfg))
+    proc = run_train(SMALL + [f"checkpoint.init_from={src}", f"data.tokenizer={src}", "distributed.zero_stage=3",
+                              f"train.run_dir={tmp_path / 'run'}"], nproc=2, check=False, config=CONTINUE)
+    assert proc.returncode != 0  # torchrun exits 1 for any failed worker
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("pretrain: error:")]
+    assert len(lines) == 1 and "tok_embeddings.weight has shape (4096, 64), the model (4224, 64)" in lines[0], \
+        proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A short tiny run that evaluates 2 global batches of held-out data at its last step."""
+    run = tmp_path_factory.mktemp("trained")
+    run_train(SMALL + ["train.max_steps=6", "train.eval_every=0", "train.eval_batches=2", f"train.run_dir={run}"])
+    [final] = [r for r in read_metrics(run) if "eval/loss" in r]
+    return run, final["eval/loss"]
+
+
+def _eval(*args, nproc=1) -> dict:
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"eval-{os.getpid()}-{free_port()}.json"
+    pretrain_cmd("eval", *args, "--json", str(out), nproc=nproc)
+    return json.loads(out.read_text())
+
+
+def test_eval_equals_the_runs_own_eval_at_any_world_size_and_its_export(tmp_path, trained):
+    run, run_eval = trained
+    one = _eval(str(run), "--batches", "2")
+    assert one["loss"] == pytest.approx(run_eval, rel=1e-5)
+    two = _eval(str(run), "--batches", "2", nproc=2)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6) and two["sequences"] == one["sequences"] == 16
+    pretrain_cmd("export", str(run / "checkpoints"), str(tmp_path / "hf"))
+    ckpt_config = sorted((run / "checkpoints").glob("step_*"))[-1] / "config.yaml"
+    exported = _eval(str(tmp_path / "hf"), str(ckpt_config), "--batches", "2")
+    assert exported["loss"] == pytest.approx(one["loss"], rel=1e-6)
+    assert 0 < one["bits_per_byte"] < one["loss"] and one["perplexity"] > 1
+
+
+def test_eval_full_pass_is_the_same_at_one_and_two_ranks(trained):
+    run, _ = trained
+    one, two = _eval(str(run)), _eval(str(run), nproc=2)
+    assert one["sequences"] == two["sequences"] > 16
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6)
+    assert two["bits_per_byte"] == pytest.approx(one["bits_per_byte"], rel=1e-6)
+
+
+def test_export_writes_the_fields_transformers_4_reads(tmp_path, trained):
+    run, _ = trained
+    pretrain_cmd("export", str(run / "checkpoints"), str(tmp_path / "hf"), "--dtype", "bf16")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"]  # 4.x reads the top level only
+    assert "rope_scaling" in cfg and cfg["torch_dtype"] == "bfloat16"
+    tok = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert tok["tokenizer_class"] == "PreTrainedTokenizerFast"  # a class 4.x and 5.x both have
+    assert all(t.dtype == torch.bfloat16 for t in hf_weights(tmp_path / "hf").values())
+
+
+TRANSFORMERS_4 = "4.57.1"
+READ_WITH_4 = """
+import json, sys, torch, transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+path, tokens = sys.argv[1], json.loads(sys.argv[2])
+cfg = AutoConfig.from_pretrained(path)
+model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+tok = AutoTokenizer.from_pretrained(path)
+with torch.no_grad():
+    logits = model(torch.tensor([tokens])).logits[0]
+print(json.dumps({"version": transformers.__version__, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+                  "logits": logits.tolist(), "tokenizer": type(tok).__name__, "ids": tok("def f(x):").input_ids}))
+"""
+
+
+@pytest.fixture(scope="session")
+def python_with_transformers_4(tmp_path_factory):
+    """A venv over this Python's packages with transformers 4.x (and its tokenizers, hub) on top."""
+    venv = tmp_path_factory.mktemp("transformers4") / "venv"
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"transformers=={TRANSFORMERS_4}"], check=True,
+                       capture_output=True, timeout=600)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"could not install transformers {TRANSFORMERS_4} into a venv (the package registry?): {e}")
+    return venv / "bin" / "python"
+
+
+def test_an_export_with_llama3_rope_scaling_reads_right_in_transformers_4(tmp_path, python_with_transformers_4):
+    """Imported from an HF model with Llama 3.1 RoPE scaling, trained one step, exported: transformers
+    4.57 sees the same RoPE settings and gives our model's logits, also past the original context."""
+    from pretrain.export import load_for_inference
+
+    scaling = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+    src = hf_llama_dir(tmp_path / "src", rope_scaling=scaling)
+    run = tmp_path / "run"
+    run_train(SMALL + [f"checkpoint.init_from={src}", f"data.tokenizer={src}", "train.max_steps=1",
+                       f"train.run_dir={run}"], config=CONTINUE)
+    out = tmp_path / "hf"
+    pretrain_cmd("export", str(run / "checkpoints"), str(out))
+    ours, _, _ = load_for_inference(str(run / "checkpoints"))
+    tokens = torch.randint(0, 1000, (100,), generator=torch.Generator().manual_seed(0)).tolist()  # 100 > 32
+    with torch.no_grad():
+        want = ours(torch.tensor([tokens]))[0]
+    proc = subprocess.run([str(python_with_transformers_4), "-c", READ_WITH_4, str(out), json.dumps(tokens)],
+                          capture_output=True, text=True, env={**train_env(), "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["version"] == TRANSFORMERS_4
+    assert got["rope_theta"] == 50000.0 and got["rope_scaling"]["rope_type"] == "llama3"
+    assert got["rope_scaling"]["factor"] == 4.0 and got["rope_scaling"]["original_max_position_embeddings"] == 32
+    torch.testing.assert_close(torch.tensor(got["logits"]), want, rtol=1e-4, atol=1e-4)
+    assert got["tokenizer"] == "PreTrainedTokenizerFast" and got["ids"]
