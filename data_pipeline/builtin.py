@@ -18,7 +18,12 @@ from pathlib import Path
 from data_pipeline.errors import DataError
 
 DATASETS = ("python-docs", "python-docstrings")
-TOKENIZERS = {"python-docs-bpe": Path(__file__).parent / "assets" / "python-docs-bpe.json"}
+TOKENIZERS = {
+    "python-docs-bpe": Path(__file__).parent / "assets" / "python-docs-bpe.json",  # 4096, on python-docs
+    # 512, on python-docs + python-docstrings: small models whose size is not mostly the vocabulary
+    # (configs/scaling_tiny.yaml, a scaling-law sweep on CPU)
+    "python-bpe-512": Path(__file__).parent / "assets" / "python-bpe-512.json",
+}
 DOC_CHARS = 2000  # paragraphs are grouped into documents of about this many characters
 N_FILES = 4  # shards, so that shard shuffling has something to permute
 VALIDATION_EVERY = 10  # every 10th document forms the held-out validation split
@@ -114,13 +119,15 @@ def tokenizer_file(name: str) -> Path:
 
 
 def build_tokenizer_asset() -> None:
-    """Train builtin:python-docs-bpe (vocab 4096) on builtin:python-docs and write it into assets/."""
+    """Train the builtin tokenizers on the builtin datasets' train splits and write them into assets/."""
     from data_pipeline.config import SourceConfig
     from data_pipeline.tokenizer import train_tokenizer
 
-    path = TOKENIZERS["python-docs-bpe"]
-    tok = train_tokenizer([SourceConfig(path="builtin:python-docs")], 4096, path)
-    print(f"wrote {path} (vocab {tok.get_vocab_size()})")
+    for name, sources, vocab in (("python-docs-bpe", ["builtin:python-docs"], 4096),
+                                 ("python-bpe-512", ["builtin:python-docs", "builtin:python-docstrings"], 512)):
+        path = TOKENIZERS[name]
+        tok = train_tokenizer([SourceConfig(path=s) for s in sources], vocab, path)
+        print(f"wrote {path} (vocab {tok.get_vocab_size()})")
 
 
 if __name__ == "__main__":

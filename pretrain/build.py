@@ -104,5 +104,6 @@ def loggers(cfg: Config, env: distributed.Dist, run_dir: Path, run_id: str, star
     out: list[MetricLogger] = [JsonlLogger(run_dir, keep_until_step=start_step)]
     lg = cfg.logging
     if lg.wandb != "disabled":
-        out.append(WandbLogger(run_dir, lg.wandb, lg.project, lg.entity, lg.name, wandb_config, run_id=run_id))
+        out.append(WandbLogger(run_dir, lg.wandb, lg.project, lg.entity, lg.name, wandb_config, run_id=run_id,
+                               group=lg.group))
     return Loggers(out)

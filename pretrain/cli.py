@@ -59,6 +59,14 @@ def _eval(args) -> None:
     eval_cli(args)
 
 
+def _scaling(name: str):
+    def run(args) -> None:
+        import pretrain.scaling
+
+        getattr(pretrain.scaling, name)(args)
+    return run
+
+
 def _estimate(args) -> None:
     from pretrain.estimate import estimate_cli
 
@@ -118,6 +126,36 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--micro-batch-size", type=int, default=0, help="sequences per forward (0 = the config's)")
     ev.add_argument("--json", help="also write the result to this JSON file")
     ev.set_defaults(fn=_eval)
+
+    sc = sub.add_parser("scaling", help="scaling-law sweeps: plan, run, fit, plot (docs/scaling.md)").add_subparsers(
+        dest="sub", required=True)
+    pl = with_config(sc.add_parser("plan", help="write the runs of a sweep over compute budgets and model sizes"))
+    pl.add_argument("--budgets", required=True, help="comma-separated compute budgets in FLOPs, e.g. 1e15,3e15,1e16")
+    pl.add_argument("--out", required=True, help="sweep directory (configs/, manifest.csv, runs/)")
+    pl.add_argument("--sizes", type=int, default=7, help="model sizes per budget (5-9 usual)")
+    pl.add_argument("--span", type=float, default=8.0, help="largest / smallest size per budget")
+    pl.add_argument("--schedule", default="cosine", choices=["cosine", "wsd", "wsd-s"],
+                    help="cosine or wsd: a run per point; wsd-s: a run per size, decay branches at each budget")
+    pl.add_argument("--lr", type=float, default=0.0, help="one learning rate for every run (default: scaled by width)")
+    pl.add_argument("--name", default="", help="sweep name, the W&B group (default: the directory name)")
+    pl.set_defaults(fn=_scaling("plan_cli"))
+    ru = sc.add_parser("run", help="train a sweep's runs here, one after another (skips finished, resumes others)")
+    ru.add_argument("dir", help="sweep directory")
+    ru.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun)")
+    ru.add_argument("--index", type=int, help="only the run of this index (a Slurm array task)")
+    ru.add_argument("--config-of", type=int, help="print the config of run I (nothing if finished) and exit")
+    ru.set_defaults(fn=_scaling("run_cli"))
+    fi = sc.add_parser("fit", help="fit IsoFLOP and parametric laws; N*, D* for a budget")
+    fi.add_argument("inputs", nargs="+", help="sweep dirs, run dirs, or CSV files with params,tokens,loss[,budget]")
+    fi.add_argument("--budget", type=float, default=0.0, help="compute budget (FLOPs) to recommend N*, D* for")
+    fi.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals")
+    fi.add_argument("--json", help="also write the fits to this JSON file")
+    fi.set_defaults(fn=_scaling("fit_cli"))
+    po = sc.add_parser("plot", help="PNGs of the fits: IsoFLOP curves, loss vs compute, N_opt/D_opt, residuals")
+    po.add_argument("inputs", nargs="+", help="sweep dirs, run dirs, or CSV files with params,tokens,loss,budget")
+    po.add_argument("--out", required=True, help="directory for the PNGs")
+    po.add_argument("--budget", type=float, default=0.0, help="mark this compute budget on the plots")
+    po.set_defaults(fn=_scaling("plot_cli"))
 
     est = with_config(sub.add_parser("estimate", help="parameters, FLOPs, memory per GPU, step time, "
                                                       "communication for a run config"))

@@ -34,9 +34,13 @@ class OptimizerConfig:
 
 @dataclass
 class ScheduleConfig:
+    kind: str = "cosine"  # cosine | linear (decay after warmup) | wsd (warmup-stable-decay) | constant
     warmup_steps: int = 100  # optimizer steps of linear warmup from 0 to optimizer.lr
-    decay_steps: int = 0  # steps of cosine decay after warmup (0 = until train.max_steps)
-    min_lr: float = 3e-5  # floor of the cosine decay, held after decay_steps
+    decay_steps: int = 0  # cosine/linear: steps of decay after warmup (0 = until train.max_steps)
+    min_lr: float = 3e-5  # the rate the decay ends at (held after decay_steps)
+    decay_fraction: float = 0.2  # wsd: share of the run (or of a branch) spent decaying, at its end
+    decay_shape: str = "linear"  # wsd: shape of the decay: linear | cosine | 1-sqrt
+    decay_points: list[int] = field(default_factory=list)  # wsd: steps where extra decay branches end (WSD-S)
 
 
 @dataclass
@@ -76,6 +80,7 @@ class LoggingConfig:
     project: str = "pretrain"  # W&B project
     entity: str = ""  # W&B entity ("" = your default)
     name: str = ""  # W&B run name ("" = the run_dir name)
+    group: str = ""  # W&B group ("" = none; a scaling sweep sets its name)
     progress: bool = True  # progress bar on rank 0
 
 
@@ -92,6 +97,16 @@ class DistributedConfig:
 
 
 @dataclass
+class ScalingConfig:
+    """What a run of a scaling sweep is for (written by `pretrain scaling plan`; also in W&B)."""
+
+    sweep: str = ""  # the sweep's name ("" = not part of a sweep)
+    budgets: list[float] = field(default_factory=list)  # compute budgets (FLOPs) this run gives points for
+    params: int = 0  # N of the fit
+    tokens: int = 0  # D of the run's own end
+
+
+@dataclass
 class Config:
     model: ModelArgs = field(default_factory=ModelArgs)
     data: DataConfig = field(default_factory=DataConfig)
@@ -101,6 +116,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -133,6 +149,23 @@ class Config:
             out.append("train.activation_checkpointing must be 0 (off), 1 (every block) or n (every n-th)")
         if s.warmup_steps < 0 or s.decay_steps < 0:
             out.append("schedule.warmup_steps and schedule.decay_steps must be >= 0")
+        _choice(out, "schedule.kind", s.kind, ("cosine", "linear", "wsd", "constant"))
+        _choice(out, "schedule.decay_shape", s.decay_shape, ("linear", "cosine", "1-sqrt"))
+        if not 0 < s.decay_fraction <= 1:
+            out.append(f"schedule.decay_fraction={s.decay_fraction} must be in (0, 1]")
+        if s.decay_points:
+            if s.kind != "wsd":
+                out.append("schedule.decay_points needs schedule.kind=wsd")
+            if sorted(set(s.decay_points)) != s.decay_points:
+                out.append(f"schedule.decay_points={s.decay_points} must be increasing")
+            late = [p for p in s.decay_points if p >= t.max_steps]
+            if late:
+                out.append(f"schedule.decay_points {late} must be before train.max_steps={t.max_steps} (the run "
+                           "itself decays at its end)")
+            early = [p for p in s.decay_points if p - max(1, round(s.decay_fraction * p)) < s.warmup_steps]
+            if early:
+                out.append(f"schedule.decay_points {early}: their decay would start inside the warmup "
+                           f"({s.warmup_steps} steps): use later points or a shorter warmup")
         if s.min_lr > self.optimizer.lr:
             out.append(f"schedule.min_lr={s.min_lr} is above optimizer.lr={self.optimizer.lr}")
         if self.checkpoint.keep_last < 1:

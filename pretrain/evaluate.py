@@ -37,7 +37,7 @@ def _config(model_path: Path, is_hf: bool, config: str | None, overrides: list[s
     if data is not None:
         cfg.data.validation = [SourceConfig(path=data)]
     elif not cfg.data.validation:
-        log.info("eval: the config has no validation sources: scoring its training sources")
+        log.warning("eval: the config has no validation sources: scoring its training sources")
         cfg.data.validation = list(cfg.data.sources)
     return cfg
 

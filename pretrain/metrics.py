@@ -105,13 +105,13 @@ class WandbLogger(MetricLogger):
     own id (run.json), so every restart of a run, resumed or requeued, continues one W&B run."""
 
     def __init__(self, run_dir: Path, mode: str, project: str, entity: str, name: str,
-                 config: dict, run_id: str):
+                 config: dict, run_id: str, group: str = ""):
         import wandb
 
         if mode == "auto":
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
         self.wandb = wandb
-        self.run = wandb.init(project=project, entity=entity or None, name=name or Path(run_dir).name,
+        self.run = wandb.init(project=project, entity=entity or None, name=name or Path(run_dir).name, group=group or None,
                               dir=str(run_dir), mode=mode, id=run_id, resume="allow",
                               config=config, settings=wandb.Settings(silent=True, console="off"))
         # Scaling-law axes: every train/ and eval/ metric can be plotted against tokens and FLOPs.

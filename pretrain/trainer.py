@@ -60,6 +60,8 @@ class Trainer:
         self.timers = dict.fromkeys(("data", "compute"), 0.0)
         self.optimizer = engine.optimizer
         self.lr = schedule(0)  # the rate of the latest step
+        self.decay_end = None  # in a WSD-S decay branch: the step it ends at (the schedule decays to it)
+        self.branches: dict[str, dict] = {}  # finished decay branches: str(end step) -> their results
         self.clip = cfg.optimizer.grad_clip if trainer_clips(cfg, precision) else 0.0  # else DeepSpeed clips
         self.grad_norm = None  # the latest global gradient norm, when the trainer computed it
         self._drop_update = False  # this step's update was dropped for a non-finite loss
@@ -70,10 +72,11 @@ class Trainer:
 
     # -- state that survives a restart
     def state_dict(self) -> dict:
-        return {"step": self.step, "skipped": self.skipped}
+        return {"step": self.step, "skipped": self.skipped, "branches": self.branches}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.skipped = state["step"], state.get("skipped", 0)
+        self.branches = dict(state.get("branches", {}))
         self.saved_step = self.step
 
     @property
@@ -126,7 +129,7 @@ class Trainer:
         """One optimizer step over `accum` micro-batches; returns the global mean loss. One device
         all-reduce and one host sync per step: the losses and their finiteness are reduced together
         after the last forward, and read on the host with the gradient norm, before the update."""
-        lr = self.schedule(self.step)  # the rate of this step; DeepSpeed has no scheduler
+        lr = self.schedule(self.step, self.decay_end)  # the rate of this step; DeepSpeed has no scheduler
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.lr = lr
@@ -219,8 +222,13 @@ class Trainer:
         progress = _progress(self.env.is_main and cfg.logging.progress, self.step, t.max_steps)
         first_loss = last_loss = None
         window_start, window_steps, losses = time.perf_counter(), 0, []
+        branches = {self.schedule.decay_start(end): end for end in cfg.schedule.decay_points
+                    if str(end) not in self.branches and self.schedule.decay_start(end) >= self.step}
         try:
             while self.step < t.max_steps:
+                if self.step in branches:
+                    self._branch(branches.pop(self.step))
+                    window_start = time.perf_counter()
                 step_start = time.perf_counter()
                 loss = self.train_step()
                 if self.cfg.train.compile and first_loss is None:
@@ -258,6 +266,40 @@ class Trainer:
             self._log_eval(summary)
         self.save(wait=True)
         return summary
+
+    def _branch(self, end: int) -> None:
+        """WSD-S: from this step of the stable phase, decay to `end` on a branch, evaluate, then bring
+        the run back to this step (a checkpoint saved first) and go on with the stable phase. The
+        branch is what a run of `end` steps with a WSD schedule would be: its eval loss is a point at
+        end x tokens-per-step tokens. A stop signal during a branch stops the run; the resume from
+        this step's checkpoint runs the branch again."""
+        from pretrain.checkpoint import Start, read_meta, step_dir_name
+
+        start = self.step
+        self.save(wait=True)
+        path = self.ckpt.root / step_dir_name(start)
+        log.info("step %6d | decay branch to step %d (schedule.decay_points), then back here", start, end)
+        self.decay_end, losses = end, []
+        try:
+            while self.step < end:
+                losses.append(self.train_step())
+                signum = distributed.agree_max([self.stop.received or 0])[0]
+                if signum:
+                    raise StopRequested(signum, start)
+            result = {"branch/end_step": end, "branch/tokens": end * self.tokens_per_step,
+                      "branch/flops": end * self.tokens_per_step * self.flops_per_token,
+                      "branch/train_loss": sum(losses[-10:]) / len(losses[-10:])}
+            if self.val_batches:
+                result["branch/eval_loss"] = self.evaluate()["eval/loss"]
+        finally:
+            self.decay_end = None
+        self.data_iter = None  # its workers stop; the restored position gets a fresh iterator
+        self.ckpt.restore(Start("resume", self.ckpt.run.run_id, path, read_meta(path), start))
+        self.branches[str(end)] = result
+        self.data_iter = iter(self.loader)
+        self.logger.log(result, start)
+        log.info("step %6d | decay branch to step %d: train loss %.4f%s", start, end, result["branch/train_loss"],
+                 f", eval loss {result['branch/eval_loss']:.4f}" if "branch/eval_loss" in result else "")
 
     def _axes(self) -> dict:
         return {"tokens_seen": self.tokens_seen, "flops": self.tokens_seen * self.flops_per_token}

@@ -78,15 +78,21 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def read_wandb_records(run_dir: Path) -> list:
-    """Every record of the offline W&B run in run_dir, as wandb's own protobuf `Record`s.
+    """Every record of the offline W&B run in run_dir (of each process that logged to it, a resumed
+    run's after the first's), as wandb's own protobuf `Record`s.
 
     wandb >= 0.2x no longer ships a Python reader for its `.wandb` transaction log, which is a
     LevelDB-style log: a 7-byte file header (':W&B', magic 0xBEE1, version), then 32 KiB blocks of
     records, each with a 7-byte header (crc32c, length, type: 1 full, 2 first, 3 middle, 4 last).
     """
+    paths = sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))  # one per process that logged
+    assert paths, f"no offline W&B run in {run_dir}"
+    return [r for path in paths for r in _read_wandb_file(path)]
+
+
+def _read_wandb_file(path: Path) -> list:
     from wandb.proto import wandb_internal_pb2
 
-    [path] = list(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))
     data = path.read_bytes()
     ident, magic, version = struct.unpack("<4sHB", data[:7])
     assert (ident, magic, version) == (b":W&B", 0xBEE1, 0), "not a W&B transaction log"

@@ -142,7 +142,7 @@ def test_wandb_offline_run_logs_scaling_law_fields(tmp_path):
     assert rows[-1]["flops"] == rows[-1]["tokens_seen"] * scaling["flops_per_token"]
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [3])  # (stage 0, configs/tiny.yaml's, is compiled by bench/bench_step.py --ab)
 def test_compile_trains_to_the_same_losses(tmp_path, stage):
     """train.compile=true really compiles (DeepSpeed's engine.compile(): torch.compile of the model,
     ZeRO-3's hooks outside the graphs) and trains to the eager losses within 1e-3."""

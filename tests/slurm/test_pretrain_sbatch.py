@@ -265,7 +265,8 @@ def test_scancel_stops_for_good(slurm_cluster, tmp_path):
     slurm_cluster.run("scancel", str(job.job_id))  # SIGTERM to every process of the job
     r = job.wait(timeout=60)
     state = final_state(job)
-    assert r.returncode != 0
+    # Not `sbatch --wait`'s exit code: it is 0 when the batch shell died of the SIGTERM itself and
+    # non-zero when it exited after srun failed first, a race of the cancel. The state is what counts.
     assert state == "CANCELLED", state
     assert "scontrol requeue" not in r.output and "(restart 1)" not in r.output
     assert "DUE TO JOB REQUEUE" not in r.output

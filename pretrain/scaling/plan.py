@@ -1,0 +1,213 @@
+"""`pretrain scaling plan CONFIG --budgets C1,C2,... --out DIR`: the runs of a scaling-law sweep.
+
+For each compute budget C (FLOPs), model sizes around the expected optimum, each trained on
+D = C / FLOPs-per-token tokens (the trainer's PaLM formula, the one that logs C), written as one run
+config per run and DIR/manifest.csv.
+
+The model family (docs/scaling.md): the base config's head_dim, GQA ratio (heads per KV head),
+SwiGLU rounding and vocabulary are kept; its members are the shapes (depth, whole GQA groups of
+heads) whose aspect ratio dim / n_layers is within 2x of the base's, the closest to it among shapes
+of about the same N; a size N is reached by the member closest to it. N counts the parameters that do matmul work per token: every parameter but the embedding
+lookup, with the LM head counted even when tied: the N of the trainer's 6N + attention FLOPs.
+
+The expected optimum is Chinchilla's D = 20 N (C = 6 N D, so N = sqrt(C / 120)); the sizes span
+`--span` (default 8x) around it, log-spaced; where the family has too few members there (an
+optimum below its smallest model: tiny budgets with a large vocabulary), the sizes nearest to it,
+with a warning. Batch: the base config's global batch in tokens. LR:
+the base config's optimizer.lr scaled by sqrt(base dim / dim) (wider models take smaller steps),
+or `--lr` for all. Warmup: the base config's, at most 10% of the run's steps (of its first branch with wsd-s).
+
+Schedules: `--schedule cosine` (default; decay to the end of each run), `wsd` (warmup, stable,
+decay over schedule.decay_fraction), or `wsd-s`: one run per size whose decay branches end at each
+budget's token count (OLMo-core's WSD-S); the manifest then lists one row per (budget, size) and
+several rows share a run.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from pretrain.config import Config, load_config
+from pretrain.errors import ConfigError
+from pretrain.model.args import ModelArgs
+from pretrain.model.model import flops_per_token
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.csv"
+COLUMNS = ["name", "budget", "params", "tokens", "flops", "config", "run", "steps", "end_step", "dim", "n_layers"]
+MAX_LAYERS = 64
+MIN_STEPS = 100  # fewer and the loss is mostly warmup and noise: warned
+
+
+def scaling_params(args: ModelArgs, seq_len: int) -> int:
+    """N: the parameters in the 6N term of the trainer's FLOPs per token."""
+    a = args
+    return (flops_per_token(a, seq_len) - 12 * a.n_layers * a.n_heads * a.head_dim * seq_len) // 6
+
+
+@dataclasses.dataclass
+class Family:
+    base: ModelArgs
+    seq_len: int
+
+    @property
+    def group(self) -> int:  # query heads per KV head
+        return self.base.n_heads // self.base.kv_heads
+
+    def shape(self, n_layers: int, groups: int) -> ModelArgs:
+        """The member of depth n_layers and width `groups` GQA groups of heads."""
+        b = self.base
+        heads = groups * self.group
+        return dataclasses.replace(b, preset="", dim=heads * b.head_dim, n_layers=n_layers, n_heads=heads,
+                                   n_kv_heads=groups if b.n_kv_heads else 0, ffn_hidden_dim=0)
+
+    @functools.cached_property
+    def members(self) -> list[tuple[int, ModelArgs]]:
+        """Every shape whose aspect ratio dim / n_layers is within 2x of the base's, by N; of shapes
+        with (nearly) the same N, the one whose aspect ratio is closest to the base's."""
+        b = self.base
+        aspect = b.dim / b.n_layers
+        best: dict[int, tuple[float, ModelArgs]] = {}
+        for layers in range(1, MAX_LAYERS + 1):
+            for groups in range(1, 4 * round(aspect * layers / (b.head_dim * self.group)) + 2):
+                args = self.shape(layers, groups)
+                off = abs(math.log(args.dim / layers / aspect))
+                if off > math.log(2):
+                    continue
+                n = scaling_params(args, self.seq_len)
+                key = round(math.log(n) * 20)  # shapes within 5% of each other in N: one member
+                if key not in best or off < best[key][0]:
+                    best[key] = (off, args)
+        return sorted((scaling_params(a, self.seq_len), a) for _, a in best.values())
+
+    def around(self, target: float, sizes: int, span: float) -> tuple[list[tuple[int, ModelArgs]], bool]:
+        """`sizes` distinct members spread evenly (in member order, so about evenly in log N) over
+        `span` around `target`; where the family has too few there, the `sizes` members nearest to
+        it. Second: whether target is inside the family."""
+        members = self.members
+        lo, hi = target / math.sqrt(span), target * math.sqrt(span)
+        inside = [m for m in members if lo <= m[0] <= hi]
+        if len(inside) >= sizes:
+            picks = np.unique(np.round(np.linspace(0, len(inside) - 1, sizes)).astype(int))
+            chosen = [inside[i] for i in picks]
+        else:
+            centre = min(range(len(members)), key=lambda i: abs(math.log(members[i][0] / target)))
+            first = min(max(0, centre - sizes // 2), max(0, len(members) - sizes))
+            chosen = members[first:first + sizes]
+        return chosen, members[0][0] <= target <= members[-1][0]
+
+
+def plan(config: str, overrides: list[str], budgets: list[float], out: str, sizes: int = 7, span: float = 8.0,
+         schedule: str = "cosine", lr: float = 0.0, name: str = "") -> list[dict]:
+    """Write the run configs and DIR/manifest.csv; return the manifest rows."""
+    if not 3 <= sizes <= 15:
+        raise ConfigError(f"--sizes {sizes}: give 3 to 15 model sizes per budget (5 to 9 is usual)")
+    if not budgets or any(not c > 0 for c in budgets):
+        raise ConfigError("--budgets: give one or more positive FLOP budgets, e.g. 1e15,3e15,1e16")
+    if schedule not in ("cosine", "wsd", "wsd-s"):
+        raise ConfigError(f"--schedule {schedule!r}: cosine, wsd or wsd-s")
+    base = load_config(config, overrides)
+    from pretrain.estimate import _model_args  # the shape with its vocabulary (from the tokenizer)
+
+    family = Family(_model_args(base), base.data.seq_len)
+    tokens_per_step = base.global_batch(1) * base.data.seq_len
+    out_dir = Path(out).resolve()
+    sweep = name or out_dir.name
+    rows, warnings = [], []
+    smallest = family.members[0]
+    for c in sorted(budgets):
+        n_opt = math.sqrt(c / 120)
+        chosen, inside = family.around(n_opt, sizes, span)
+        if not inside:
+            warnings.append(f"budget {c:.3g}: its expected optimum N={n_opt:.3g} (D = 20 N) is outside the family "
+                            f"({smallest[0]:,}-{family.members[-1][0]:,} parameters): the nearest sizes are used")
+        for n, args in chosen:
+            fpt = flops_per_token(args, base.data.seq_len)
+            steps = round(c / fpt / tokens_per_step)
+            if steps < 1:
+                raise ConfigError(f"budget {c:.3g} FLOPs is too small for a model of {n:,} parameters: one step "
+                                  f"of {tokens_per_step:,} tokens costs {fpt * tokens_per_step:.3g}; raise the "
+                                  "budgets or lower the batch (train.global_batch_size, data.seq_len)")
+            if steps < MIN_STEPS:
+                warnings.append(f"budget {c:.3g}, N={n:,}: only {steps} steps (fewer than {MIN_STEPS}): its loss is "
+                                "mostly warmup and noise")
+            rows.append({"budget": c, "params": n, "args": args, "steps": steps,
+                         "tokens": steps * tokens_per_step, "flops": steps * tokens_per_step * fpt})
+    if len({r["params"] for r in rows if r["budget"] == rows[0]["budget"]}) < 3:
+        raise ConfigError("the family has fewer than 3 distinct sizes at a budget: widen --span or change the "
+                          "base model's aspect ratio")
+    manifest = _write(base, rows, out_dir, sweep, schedule, lr)
+    for w in sorted(set(warnings)):
+        log.warning("warning: %s", w)
+    return manifest
+
+
+def _write(base: Config, rows: list[dict], out_dir: Path, sweep: str, schedule: str, lr: float) -> list[dict]:
+    (out_dir / "configs").mkdir(parents=True, exist_ok=True)
+    runs: dict = {}  # run name -> rows it serves
+    for r in rows:
+        size = f"n{r['params']:.3g}".replace("+", "")
+        run = size if schedule == "wsd-s" else f"c{r['budget']:.3g}-{size}".replace("+", "")
+        r["name"] = f"c{r['budget']:.3g}-{size}".replace("+", "")
+        r["run"] = run
+        runs.setdefault(run, []).append(r)
+    manifest = []
+    for run, members in runs.items():
+        args = members[0]["args"]
+        steps = max(m["steps"] for m in members)
+        d = base.to_dict()
+        d["model"] = dataclasses.asdict(args)
+        d["train"].update(max_steps=steps, run_dir=str(out_dir / "runs" / run))
+        d["optimizer"]["lr"] = lr or base.optimizer.lr * math.sqrt(base.model.dim / args.dim if base.model.dim else 1)
+        shortest = min(m["steps"] for m in members)  # a run's own end, or its first decay branch's
+        d["schedule"].update(warmup_steps=max(1, min(base.schedule.warmup_steps, shortest // 10)), decay_steps=0,
+                             kind="cosine" if schedule == "cosine" else "wsd",
+                             decay_points=sorted(m["steps"] for m in members if m["steps"] < steps))
+        d["logging"].update(group=sweep, name=f"{sweep}/{run}")
+        d["scaling"] = {"sweep": sweep, "budgets": sorted(m["budget"] for m in members),
+                        "params": members[0]["params"], "tokens": steps * base.global_batch(1) * base.data.seq_len}
+        path = out_dir / "configs" / f"{run}.yaml"
+        path.write_text(yaml.safe_dump(d, sort_keys=False))
+        load_config(str(path))  # every config written is one `pretrain train` accepts
+        for m in members:
+            manifest.append({"name": m["name"], "budget": m["budget"], "params": m["params"], "tokens": m["tokens"],
+                             "flops": m["flops"], "config": str(path), "run": run, "steps": steps,
+                             "end_step": m["steps"], "dim": args.dim, "n_layers": args.n_layers})
+    manifest.sort(key=lambda m: (m["budget"], m["params"]))
+    with open(out_dir / MANIFEST, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(manifest)
+    return manifest
+
+
+def read_manifest(sweep_dir: str | Path) -> list[dict]:
+    path = Path(sweep_dir) / MANIFEST
+    if not path.is_file():
+        raise ConfigError(f"{sweep_dir} has no {MANIFEST}: make one with `pretrain scaling plan`")
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        for k in ("budget", "flops"):
+            r[k] = float(r[k])
+        for k in ("params", "tokens", "steps", "end_step", "dim", "n_layers"):
+            r[k] = int(r[k])
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| name | budget | params (N) | dim x layers | tokens (D) | D/N | steps | run |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['budget']:.3g} | {r['params']:,} | {r['dim']} x {r['n_layers']} | "
+                     f"{r['tokens']:,} | {r['tokens'] / r['params']:.1f} | {r['end_step']} | {r['run']} |")
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""slurm/scaling_sweep.sbatch on the real 2-node test cluster: a planned sweep runs as a job array,
+one task per run, throttled; a task signalled for preemption saves, requeues itself and resumes; a
+finished run's task does nothing; every run carries its sweep in its config and its W&B group."""
+
+import csv
+import re
+import time
+
+import pytest
+import yaml
+
+from helpers import read_metrics, read_wandb_records
+from pretrain.cli import main
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = "slurm/scaling_sweep.sbatch"
+CPU_JOB = ["--gpus-per-node=0", "--cpus-per-task=1", "--nodes=1"]
+CPU_ENV = {"GPUS_PER_NODE": "0"}
+SMALL = ["data.seq_len=32", "train.micro_batch_size=4", "train.global_batch_size=4", "logging.log_every=1",
+         "logging.wandb=offline", "logging.progress=false", "checkpoint.every=5", "train.eval_batches=1"]
+
+
+def test_a_sweep_runs_as_a_job_array_and_a_preempted_task_resumes(slurm_cluster, tmp_path):
+    sweep = tmp_path / "sweep"
+    assert main(["scaling", "plan", "configs/scaling_tiny.yaml", *SMALL, "--budgets", "5e9", "--sizes", "3",
+                 "--span", "4", "--out", str(sweep), "--name", "array-test"]) == 0
+    rows = list(csv.DictReader(open(sweep / "manifest.csv")))
+    runs = sorted({r["run"] for r in rows})
+    assert len(runs) == 3
+    job = slurm_cluster.start(SCRIPT, [sweep], env=CPU_ENV, sbatch_opts=[*CPU_JOB, "--array=0-2%2"])
+    # Preempt task 1 once it trains: SIGUSR1, as the time-limit warning sends.
+    run1 = sweep / "runs" / _run_of(sweep, 1)
+    metrics = run1 / "metrics.jsonl"
+    job.wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 3, 150, "task 1 training")
+    slurm_cluster.run("scancel", "--signal=USR1", f"{job.job_id}_1")
+    r = job.wait(timeout=400)
+    assert r.returncode == 0, r.output[-6000:]
+    for run in runs:
+        steps = {int(x["steps"]) for x in rows if x["run"] == run}.pop()
+        assert (sweep / "runs" / run / "checkpoints" / f"step_{steps:08d}").is_dir(), (run, r.output[-4000:])
+        assert [x["step"] for x in read_metrics(sweep / "runs" / run) if "eval/loss" in x][-1] == steps
+    saved = re.findall(r"^pretrain: received SIGUSR1: saved step (\d+); exiting with 75", r.output, re.M)
+    assert len(saved) == 1, r.output[-6000:]
+    assert re.search(rf"^resumed from .*step_{int(saved[0]):08d} at step {saved[0]}$", r.output, re.M)
+    # Task 1's run has every step once: the rerun continued where the preempted run saved.
+    steps1 = [x["step"] for x in read_metrics(run1) if "train/loss" in x]
+    assert steps1 == list(range(1, max(steps1) + 1))
+    # The sweep's name travels with each run: its config and its W&B run's group.
+    groups = {rec.run.run_group for rec in read_wandb_records(run1) if rec.WhichOneof("record_type") == "run"}
+    assert groups - {""} == {"array-test"}, groups  # (a resumed run's update record may leave it unset)
+    assert yaml.safe_load((run1 / "config.yaml").read_text())["scaling"]["sweep"] == "array-test"
+    # Submitting again: every task finds its run finished and does nothing.
+    r = slurm_cluster.submit(SCRIPT, [sweep], env=CPU_ENV, sbatch_opts=[*CPU_JOB, "--array=0-2"], timeout=120)
+    assert r.returncode == 0 and r.output.count("finished before, nothing to do") == 3, r.output[-3000:]
+
+
+def _run_of(sweep, index: int) -> str:
+    from pretrain.scaling.run import planned_runs
+
+    return planned_runs(sweep)[index]["run"]
+
+
+def test_an_array_index_past_the_sweep_is_one_line(slurm_cluster, tmp_path):
+    sweep = tmp_path / "sweep"
+    assert main(["scaling", "plan", "configs/scaling_tiny.yaml", *SMALL, "--budgets", "5e9", "--sizes", "3",
+                 "--out", str(sweep)]) == 0
+    start = time.monotonic()
+    r = slurm_cluster.submit(SCRIPT, [sweep], env=CPU_ENV, sbatch_opts=[*CPU_JOB, "--array=7"], timeout=60)
+    assert r.returncode != 0 and "pretrain: error: --config-of 7: the sweep has runs 0-2" in r.output, r.output
+    assert time.monotonic() - start < 60

@@ -1,0 +1,210 @@
+"""Scaling laws: schedules (WSD, WSD-S branches), the fitters against known laws, the sweep planned,
+run, fitted and plotted end to end on CPU, and the bad inputs."""
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+
+from helpers import REPO, TINY, read_metrics, run_train
+from pretrain.cli import main
+from pretrain.config import load_config
+from pretrain.schedule import Schedule
+from pretrain.scaling import fit as F
+
+SCALING_TINY = REPO / "configs" / "scaling_tiny.yaml"
+CHINCHILLA = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}  # Hoffmann et al. 2022, eq. 10
+
+
+def synthetic(law, budgets=(1e18, 3e18, 1e19, 3e19, 1e20), sizes=7, noise=0.01, seed=0):
+    """Points of a known law at each budget, sizes around its optimum, log-normal noise."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for c in budgets:
+        n_opt = F.optimum(law, c)["params"]
+        for f in np.geomspace(1 / 8, 8, sizes):
+            n = n_opt * f
+            d = c / (6 * n)
+            out.append(F.Point(n, d, F.predict(law, n, d) * math.exp(rng.normal(0, noise)), c, f"{c:g}/{n:.3g}"))
+    return out
+
+
+# -------------------------------------------------------------------------------- schedules
+def _schedule(**kw):
+    overrides = [f"{k}={v}" for k, v in {"optimizer.lr": 1.0, "schedule.min_lr": 0.0, "train.max_steps": 100,
+                                         "schedule.warmup_steps": 10, **kw}.items()]
+    return Schedule(load_config(None, overrides))
+
+
+@pytest.mark.parametrize("shape,mid", [("linear", 0.5), ("cosine", 0.5), ("1-sqrt", 1 - math.sqrt(0.5))])
+def test_wsd_warms_up_holds_then_decays_with_its_shape(shape, mid):
+    s = _schedule(**{"schedule.kind": "wsd", "schedule.decay_fraction": 0.2, "schedule.decay_shape": shape})
+    lrs = [s(i) for i in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == 1.0  # warmup to the peak
+    assert all(lr == 1.0 for lr in lrs[10:80])  # stable
+    assert lrs[90] == pytest.approx(mid)  # halfway through the last 20 steps
+    assert all(a >= b for a, b in zip(lrs[80:], lrs[81:])) and lrs[99] < 0.25
+    # A branch that ends at step 50 decays over its own last 10 steps, from the same stable phase.
+    assert s(39, end=50) == 1.0 and s(45, end=50) == pytest.approx(mid)
+
+
+def test_linear_and_constant_schedules():
+    lin = _schedule(**{"schedule.kind": "linear"})
+    assert lin(10) == 1.0 and lin(55) == pytest.approx(0.5) and lin(99) == pytest.approx(1 / 90)
+    const = _schedule(**{"schedule.kind": "constant"})
+    assert const(5) == pytest.approx(0.6) and const(99) == 1.0
+
+
+def test_bad_schedules_are_reported_together():
+    with pytest.raises(Exception) as e:
+        load_config(None, ["schedule.kind=step", "schedule.decay_shape=exp", "schedule.decay_fraction=0",
+                           "schedule.decay_points=[5,200]", "train.max_steps=100"])
+    text = str(e.value)
+    for part in ("schedule.kind", "schedule.decay_shape", "schedule.decay_fraction", "needs schedule.kind=wsd",
+                 "before train.max_steps"):
+        assert part in text, part
+
+
+# ---------------------------------------------------------------------------------- fitting
+def test_parametric_fit_recovers_a_known_law():
+    """1% noise on Chinchilla's law, 5 budgets x 7 sizes: exponents within 0.03, E within 0.05,
+    N* at 1e21 within 20%, its predicted loss within 1%."""
+    result = F.parametric(synthetic(CHINCHILLA), bootstrap=60)
+    law, ci = result["law"], result["intervals"]
+    assert law["alpha"] == pytest.approx(0.34, abs=0.03) and law["beta"] == pytest.approx(0.28, abs=0.03)
+    assert law["E"] == pytest.approx(1.69, abs=0.05)
+    for k in ("alpha", "beta"):  # bootstrap intervals around the estimate, narrow at this noise
+        assert ci[k][0] <= law[k] <= ci[k][1] and ci[k][1] - ci[k][0] < 0.1
+    got, want = F.optimum(law, 1e21), F.optimum(CHINCHILLA, 1e21)
+    assert got["params"] == pytest.approx(want["params"], rel=0.2)
+    assert got["loss"] == pytest.approx(want["loss"], rel=0.01)
+
+
+def test_isoflop_fit_recovers_the_optimal_exponents():
+    """Under C = 6ND the law's N_opt grows as C^(beta/(alpha+beta)) = C^0.452: recovered within 0.02
+    from the parabolas' minima (1% noise); each minimum within 25% of the law's."""
+    iso = F.isoflop(synthetic(CHINCHILLA))
+    a, b = CHINCHILLA["alpha"], CHINCHILLA["beta"]
+    assert iso["params_law"]["exponent"] == pytest.approx(b / (a + b), abs=0.02)
+    assert iso["tokens_law"]["exponent"] == pytest.approx(a / (a + b), abs=0.02)
+    for m in iso["minima"]:
+        assert m["inside"] and m["params"] == pytest.approx(F.optimum(CHINCHILLA, m["budget"])["params"], rel=0.25)
+
+
+def _write_csv(path, points, columns=("params", "tokens", "loss", "budget")):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(columns)
+        for p in points:
+            w.writerow([getattr(p, c) for c in columns])
+    return path
+
+
+def _one_error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("pretrain: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_fit_from_csv_prints_the_recommendation_and_writes_json(tmp_path, capsys):
+    path = _write_csv(tmp_path / "points.csv", synthetic(CHINCHILLA, noise=0.005))
+    assert main(["scaling", "fit", str(path), "--budget", "1e21", "--bootstrap", "20",
+                 "--json", str(tmp_path / "fit.json")]) == 0
+    out = json.loads((tmp_path / "fit.json").read_text())
+    assert set(out["law"]) == {"E", "A", "B", "alpha", "beta"}
+    assert set(out["optimum"]) >= {"budget", "params", "tokens", "loss"} and out["optimum"]["budget"] == 1e21
+    assert "N* = " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case,message", [
+    ("two_sizes", "has 2 model size(s)"),
+    ("nan", "has loss nan"),
+    ("no_tokens_column", "lacks the column(s) tokens"),
+])
+def test_bad_fit_inputs_are_one_line(tmp_path, capsys, case, message):
+    points = synthetic(CHINCHILLA, budgets=(1e18, 1e19), sizes=5)
+    if case == "two_sizes":
+        points = [p for p in points if p.budget == 1e19] + [p for p in points if p.budget == 1e18][:2]
+    if case == "nan":
+        points[3].loss = float("nan")
+    columns = ("params", "loss", "budget") if case == "no_tokens_column" else ("params", "tokens", "loss", "budget")
+    path = _write_csv(tmp_path / "points.csv", points, columns)
+    assert main(["scaling", "fit", str(path), "--bootstrap", "0"]) == 2
+    assert message in _one_error(capsys)
+
+
+def test_fitting_an_unfinished_sweep_is_one_line(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert main(["scaling", "plan", str(SCALING_TINY), "--budgets", "1e10,2e10", "--sizes", "3", "--out", str(out)]) == 0
+    assert main(["scaling", "fit", str(out)]) == 2  # planned, never run
+    line = _one_error(capsys)
+    assert "6 run(s) unfinished" in line and f"pretrain scaling run {out}" in line
+
+
+def test_a_budget_too_small_for_the_smallest_model_is_one_line(tmp_path, capsys):
+    assert main(["scaling", "plan", str(TINY), "--budgets", "1e3", "--out", str(tmp_path / "s")]) == 2
+    assert "too small for a model of" in _one_error(capsys)
+    assert main(["scaling", "plan", str(TINY), "--budgets", "1e15", "--sizes", "2", "--out", str(tmp_path / "s")]) == 2
+    assert "give 3 to 15 model sizes" in _one_error(capsys)
+
+
+def test_plan_writes_configs_and_a_manifest_the_trainer_accepts(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert main(["scaling", "plan", str(TINY), "--budgets", "3e13,1e14", "--sizes", "5", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(open(out / "manifest.csv")))
+    assert {"name", "budget", "params", "tokens", "flops", "config"} <= set(rows[0])
+    for r in rows:
+        cfg = load_config(r["config"])  # usable with pretrain train / config show
+        tokens = cfg.train.max_steps * cfg.global_batch(1) * cfg.data.seq_len
+        assert int(r["tokens"]) == tokens and cfg.scaling.sweep == "sweep" and cfg.logging.group == "sweep"
+        assert float(r["flops"]) == pytest.approx(float(r["budget"]), rel=0.35)  # whole steps of whole batches
+        assert cfg.model.dim % (cfg.model.dim // cfg.model.n_heads) == 0
+    for c in ("3e+13", "1e+14"):
+        assert len({r["params"] for r in rows if r["budget"] == str(float(c))}) >= 3
+    assert "| name | budget |" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------- end to end
+SMALL = ["data.seq_len=64", "train.micro_batch_size=8", "train.global_batch_size=8", "logging.wandb=disabled",
+         "logging.log_every=5", "train.eval_batches=2", "schedule.warmup_steps=5", "optimizer.lr=3e-3"]
+
+
+@pytest.mark.slow
+def test_wsd_s_branches_match_separate_runs(tmp_path):
+    """One WSD-S run of 40 steps with a branch ending at step 20 against two separate WSD runs of
+    20 and 40 steps: the branch's eval loss equals the 20-step run's, and the run's own end the
+    40-step run's (the stable phase continues from the checkpoint before the branch): within 1e-5."""
+    wsd = SMALL + ["schedule.kind=wsd", "schedule.decay_fraction=0.3"]
+    run_train(wsd + ["train.max_steps=40", "schedule.decay_points=[20]", f"train.run_dir={tmp_path / 's'}"])
+    run_train(wsd + ["train.max_steps=20", f"train.run_dir={tmp_path / 'a'}"])
+    run_train(wsd + ["train.max_steps=40", f"train.run_dir={tmp_path / 'b'}"])
+    [branch] = [r for r in read_metrics(tmp_path / "s") if "branch/eval_loss" in r]
+    assert branch["branch/end_step"] == 20 and branch["step"] == 20 - round(0.3 * 20)
+    final = lambda run: [r["eval/loss"] for r in read_metrics(run) if "eval/loss" in r][-1]  # noqa: E731
+    assert branch["branch/eval_loss"] == pytest.approx(final(tmp_path / "a"), rel=1e-5)
+    assert final(tmp_path / "s") == pytest.approx(final(tmp_path / "b"), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_tiny_sweep_is_planned_run_fitted_and_plotted(tmp_path, capsys):
+    """3 budgets x 4 sizes of tiny models on the built-in data, WSD-S (one run per size, a decay
+    branch per budget), end to end through the CLI."""
+    sweep = tmp_path / "sweep"
+    overrides = ["data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=8", "logging.progress=false"]
+    assert main(["scaling", "plan", str(SCALING_TINY), *overrides, "--budgets", "5e9,1e10,2e10", "--sizes", "4",
+                 "--span", "6", "--schedule", "wsd-s", "--out", str(sweep)]) == 0
+    rows = list(csv.DictReader(open(sweep / "manifest.csv")))
+    assert len({r["budget"] for r in rows}) == 3 and all(
+        len({r["params"] for r in rows if r["budget"] == b}) >= 4 for b in {r["budget"] for r in rows})
+    assert main(["scaling", "run", str(sweep)]) == 0
+    assert main(["scaling", "run", str(sweep)]) == 0  # everything finished: skipped
+    assert main(["scaling", "fit", str(sweep), "--budget", "1e12", "--bootstrap", "20",
+                 "--json", str(tmp_path / "fit.json")]) == 0
+    out = json.loads((tmp_path / "fit.json").read_text())
+    assert out["optimum"]["params"] > 0 and len(out["points"]) == len(rows)
+    assert main(["scaling", "plot", str(sweep), "--out", str(tmp_path / "plots"), "--budget", "1e12"]) == 0
+    for name in ("isoflop", "loss_vs_compute", "optimal_n_d", "residuals"):
+        assert (tmp_path / "plots" / f"{name}.png").stat().st_size > 10_000
