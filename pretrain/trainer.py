@@ -93,10 +93,11 @@ class Trainer:
         @functools.wraps(step)
         def guarded(*args, **kwargs):
             norm = getattr(self.optimizer, "_global_grad_norm", None)  # ZeRO's, before clipping
-            grads = None
+            params = None
             if norm is None:  # stage 0: the full (already averaged) gradients are here, the same on every rank
-                grads = [p.grad for g in inner.param_groups for p in g["params"] if p.grad is not None]
-                norm = self.grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+                params = [p for g in inner.param_groups for p in g["params"] if p.grad is not None]
+                norm = self.grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params \
+                    else torch.zeros(())
             loss_sum, bad, norm_value = self._read_stats(norm)
             if bad:
                 self._nonfinite(f"loss is {loss_sum / (self.accum * self.env.world_size)}")  # stop: raises
@@ -104,8 +105,8 @@ class Trainer:
             if not math.isfinite(norm_value):
                 self._grad_nonfinite = True
                 return None
-            if self.clip and grads:
-                torch.nn.utils.clip_grads_with_norm_(grads, self.clip, norm)
+            if self.clip and params:  # (it takes the parameters, and scales their .grad)
+                torch.nn.utils.clip_grads_with_norm_(params, self.clip, norm)
             return step(*args, **kwargs)
         return guarded
 

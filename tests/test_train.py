@@ -142,6 +142,21 @@ def test_wandb_offline_run_logs_scaling_law_fields(tmp_path):
     assert rows[-1]["flops"] == rows[-1]["tokens_seen"] * scaling["flops_per_token"]
 
 
+def test_zero_stage_0_trains_like_zero_3_with_clipping(tmp_path):
+    """At stage 0 (fp32) the trainer clips with the norm it computes, at stage 3 DeepSpeed does:
+    the same losses (to summation order). Once: stage 0 never clipped (the clip was handed the
+    gradients instead of the parameters), and the tiny config ended at 5.0 instead of 4.1."""
+    runs = {}
+    for stage in (0, 3):
+        runs[stage] = tmp_path / f"stage{stage}"
+        run_train(SMALL + [f"distributed.zero_stage={stage}", "train.max_steps=6", "optimizer.lr=3e-3",
+                           "optimizer.grad_clip=0.5", f"train.run_dir={runs[stage]}"])
+    norms = [r["train/grad_norm"] for r in read_metrics(runs[0]) if "train/grad_norm" in r]
+    assert max(norms) > 0.5  # clipping was active
+    for step, loss in losses(runs[3]).items():
+        assert losses(runs[0])[step] == pytest.approx(loss, rel=1e-5), step
+
+
 @pytest.mark.parametrize("stage", [3])  # (stage 0, configs/tiny.yaml's, is compiled by bench/bench_step.py --ab)
 def test_compile_trains_to_the_same_losses(tmp_path, stage):
     """train.compile=true really compiles (DeepSpeed's engine.compile(): torch.compile of the model,
