@@ -31,19 +31,27 @@ def tokenizer_and_model_args(cfg: Config):
     return tokenizer, args
 
 
-# What defines the architecture; model.max_seq_len (the RoPE table) may be set freely.
-_ARCH = ("dim", "n_layers", "n_heads", "kv_heads", "hidden_dim", "vocab_size", "norm_eps", "rope_theta",
-         "tie_embeddings", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-         "rope_original_max_seq_len")
+# What defines the architecture, as effective values; model.max_seq_len (the RoPE table) may be set freely.
+_ARCH = {"dim": "dim", "n_layers": "n_layers", "n_heads": "n_heads", "kv_heads": "n_kv_heads",
+         "hidden_dim": "ffn_hidden_dim", "vocab_size": "vocab_size", "norm_eps": "norm_eps",
+         "rope_theta": "rope_theta", "tie_embeddings": "tie_embeddings",
+         "rope_scaling_factor": "rope_scaling_factor", "rope_low_freq_factor": "rope_low_freq_factor",
+         "rope_high_freq_factor": "rope_high_freq_factor", "rope_original_max_seq_len": "rope_original_max_seq_len"}
 
 
 def hf_model_args(cfg: Config) -> ModelArgs:
-    """The model of `checkpoint.init_from`, a Hugging Face model: its config.json defines it. A field
-    the run config's `model:` section sets to another value is an error, not silently mixed."""
+    """The model of `checkpoint.init_from`, a Hugging Face model: its config.json defines it. The
+    fields the run config's `model:` section sets are applied on top; if that changes the
+    architecture it is an error, not silently mixed."""
     path = hub.resolve(cfg.checkpoint.init_from)
     args, default = hub.model_args(path), ModelArgs()
-    differ = [f"model.{f}={getattr(cfg.model, f)} (config.json: {getattr(args, f)})" for f in _ARCH
-              if getattr(cfg.model, f) != getattr(default, f) and getattr(cfg.model, f) != getattr(args, f)]
+    user = {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(ModelArgs)
+            if f.name != "max_seq_len" and getattr(cfg.model, f.name) != getattr(default, f.name)}
+    if {"multiple_of", "ffn_dim_multiplier"} & user.keys():  # the user's SwiGLU rule, not config.json's width
+        user.setdefault("ffn_hidden_dim", 0)
+    merged = dataclasses.replace(args, **user)
+    differ = [f"model.{field}={getattr(merged, prop)} (config.json: {getattr(args, prop)})"
+              for prop, field in _ARCH.items() if getattr(merged, prop) != getattr(args, prop)]
     if differ:
         raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from}: the model is defined by "
                           f"{path / 'config.json'}, and the run config differs in " + ", ".join(differ)

@@ -30,11 +30,9 @@ across ranks) plus the DeepSpeed engine (its own shards). `restore(start)` bring
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import logging
-import os
 import re
 import shutil
 import subprocess
@@ -48,7 +46,7 @@ import torch
 
 from pretrain import distributed
 from pretrain.errors import CheckpointError, RunDirError, collective
-from pretrain.rundir import RunDir, fsync_dir, new_run_id, write_atomic
+from pretrain.rundir import RunDir, fsync_dir, new_run_id, sha256, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +106,6 @@ def model_shape(args) -> dict:
     return {f: getattr(args, f) for f in SHAPE_FIELDS}
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _my_share(items: list, rank: int, world: int) -> list:
     """Spread checksumming over ranks: each takes every world-th item."""
     return items[rank::world]
@@ -135,7 +125,7 @@ def _check_files(ckpt: Path, rank: int = 0, world: int = 1) -> str | None:
             return f"checkpoint {ckpt} is missing {name}"
         if path.stat().st_size != want["size"]:
             return f"checkpoint {ckpt}: {name} has {path.stat().st_size} bytes, expected {want['size']} (truncated?)"
-        if _sha256(path) != want["sha256"]:
+        if sha256(path) != want["sha256"]:
             return f"checkpoint {ckpt}: {name} fails its checksum (corrupt)"
     return None
 
@@ -469,22 +459,23 @@ class CheckpointManager:
 
         group = distributed.checkpoint_group()
         sums = saving.write_rank_files(job, self._writer.inner)
-        reports = saving.gather((sums, saving.describe_failure(job.errors) if job.errors else None), group)
-        job.failures = [(r, f) for r, (_, f) in enumerate(reports) if f]
+        mine = (sums, saving.describe_failure(job.errors) if job.errors else None)
+        reports = distributed.all_gather_objects(mine, group)
+        failures = [(r, f) for r, (_, f) in enumerate(reports) if f]
         manifest = {k: v for part, _ in reports for k, v in part.items()}
         outcome = None
-        if not job.failures and self.env.is_main:
+        if not failures and self.env.is_main:
             try:
                 self._publish(job.partial, self.root / step_dir_name(job.step), manifest)
             except OSError as e:
                 outcome = saving.describe_failure([(str(job.partial), e)])
-        outcome = saving.broadcast(outcome, group)
+        outcome = distributed.broadcast_object(outcome, group=group)
         if outcome:
-            job.failures = [(0, outcome)]
-        if job.failures:
+            failures = [(0, outcome)]
+        if failures:
             if self.env.is_main:
                 shutil.rmtree(job.partial, ignore_errors=True)
-            job.error = self._failure_message(job.step, job.failures)
+            job.error = self._failure_message(job.step, failures)
         else:
             job.size = sum(v["size"] for v in manifest.values())
 

@@ -102,8 +102,6 @@ class ScalingConfig:
 
     sweep: str = ""  # the sweep's name ("" = not part of a sweep)
     budgets: list[float] = field(default_factory=list)  # compute budgets (FLOPs) this run gives points for
-    params: int = 0  # N of the fit
-    tokens: int = 0  # D of the run's own end
 
 
 @dataclass
@@ -162,7 +160,11 @@ class Config:
             if late:
                 out.append(f"schedule.decay_points {late} must be before train.max_steps={t.max_steps} (the run "
                            "itself decays at its end)")
-            early = [p for p in s.decay_points if p - max(1, round(s.decay_fraction * p)) < s.warmup_steps]
+            starts = [p - max(1, round(s.decay_fraction * p)) for p in s.decay_points]
+            if len(set(starts)) < len(starts):
+                out.append(f"schedule.decay_points={s.decay_points}: two of them start their decay at the same step "
+                           f"(decay_fraction={s.decay_fraction}); space them further apart")
+            early = [p for p, start in zip(s.decay_points, starts) if start < s.warmup_steps]
             if early:
                 out.append(f"schedule.decay_points {early}: their decay would start inside the warmup "
                            f"({s.warmup_steps} steps): use later points or a shorter warmup")

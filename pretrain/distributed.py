@@ -128,20 +128,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def all_gather_objects(obj) -> list:
+def all_gather_objects(obj, group=None) -> list:
     """Every rank's `obj`, in rank order (a list of one outside a process group)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def broadcast_object(obj, src: int = 0):
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def broadcast_object(obj, src: int = 0, group=None):
+    """Rank `src`'s `obj` (`src` is the rank within `group`)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, src) if group else src, group=group)
     return box[0]
 
 

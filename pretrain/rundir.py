@@ -59,6 +59,19 @@ def write_atomic(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
+def sha256(path: Path, sync: bool = False) -> str:
+    """The file's checksum; with `sync`, also flush its dirty pages to disk, whoever wrote them."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+        if sync:
+            os.fsync(f.fileno())
+    return h.hexdigest()
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new entry in `path` durable."""
     fd = os.open(path, os.O_RDONLY)

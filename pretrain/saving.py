@@ -21,11 +21,12 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+
+from pretrain.rundir import sha256
 
 log = logging.getLogger(__name__)
 
@@ -100,17 +101,6 @@ def describe_failure(errors: list[tuple[str, BaseException]]) -> tuple[str, bool
     return f"{what}: {type(e).__name__}: {lines[-1] if lines else ''}", full
 
 
-def sha256_and_sync(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-        os.fsync(f.fileno())  # flushes the file's dirty pages, whoever wrote them
-    return h.hexdigest()
-
-
 @dataclass
 class SaveJob:
     """One save after its blocking part: what this rank still has to write, and, when done, how
@@ -126,28 +116,11 @@ class SaveJob:
     write_s: float = 0.0  # the whole save, from its start to the rename (or the failure)
     size: int = 0  # bytes of the checkpoint
     error: str | None = None
-    failures: list = field(default_factory=list)  # (rank, (what, full)) of every failed rank
     thread: threading.Thread | None = None
 
     @property
     def done(self) -> bool:
         return self.thread is not None and not self.thread.is_alive()
-
-
-def gather(obj, group) -> list:
-    if group is None or dist.get_world_size(group) == 1:
-        return [obj]
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def broadcast(obj, group):
-    if group is None or dist.get_world_size(group) == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]
 
 
 def write_rank_files(job: SaveJob, writer_engine) -> dict:
@@ -171,7 +144,7 @@ def write_rank_files(job: SaveJob, writer_engine) -> dict:
     if not job.errors:
         try:
             for p in written:
-                sums[str(p.relative_to(job.partial))] = {"size": p.stat().st_size, "sha256": sha256_and_sync(p)}
+                sums[str(p.relative_to(job.partial))] = {"size": p.stat().st_size, "sha256": sha256(p, sync=True)}
         except OSError as e:
             job.errors.append((str(job.partial), e))
     return sums

@@ -49,10 +49,8 @@ class Schedule:
         return end - max(1, round(self.fraction * end))
 
     def __call__(self, step: int, end: int | None = None) -> float:
-        if self.kind == "cosine":
-            return lr_at(step, self.peak, self.warmup, self.decay, self.floor, "cosine")
-        if self.kind == "linear":
-            return lr_at(step, self.peak, self.warmup, self.decay, self.floor, "linear")
+        if self.kind in ("cosine", "linear"):
+            return lr_at(step, self.peak, self.warmup, self.decay, self.floor, self.kind)
         if step < self.warmup:
             return self.peak * (step + 1) / self.warmup
         if self.kind == "constant":

@@ -123,7 +123,7 @@ def _train(cfg, env, stop: StopSignal):
     from pretrain import build, distributed
     from pretrain.checkpoint import CheckpointManager
     from pretrain.metrics import MetricLogger
-    from pretrain.model.model import flops_per_token, num_params
+    from pretrain.model.model import flops_per_token, matmul_params, num_params
     from pretrain.parallelize import resolve_precision
     from pretrain.rundir import RunDir
     from pretrain.schedule import Schedule
@@ -166,8 +166,8 @@ def _train(cfg, env, stop: StopSignal):
                                          init_weights_from=weights_only)
         n_total, n_non_emb = num_params(model_args), num_params(model_args, non_embedding=True)
         fpt = flops_per_token(model_args, cfg.data.seq_len)
-        scaling = {"n_params": n_total, "n_params_non_embedding": n_non_emb, "flops_per_token": fpt,
-                   "world_size": env.world_size, "precision": precision,
+        scaling = {"n_params": n_total, "n_params_non_embedding": n_non_emb, "n_params_matmul": matmul_params(model_args),
+                   "flops_per_token": fpt, "world_size": env.world_size, "precision": precision,
                    "tokens_per_step": cfg.global_batch(env.world_size) * cfg.data.seq_len}
         if env.is_main:
             import json
@@ -175,7 +175,7 @@ def _train(cfg, env, stop: StopSignal):
             (run_dir.path / "config.yaml").write_text(cfg.to_yaml())
             (run_dir.path / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2))
         logger = build.loggers(cfg, env, run_dir.path, run_dir.run_id, start.step,
-                               {**resolved, "scaling": scaling, "provenance": provenance})
+                               {**resolved, "scaling": {**resolved["scaling"], **scaling}, "provenance": provenance})
         log.info("model: %.2fM parameters (%.2fM non-embedding), %.1f MFLOPs/token | world size %d | %s | "
                  "ZeRO-%d | global batch %d x %d tokens", n_total / 1e6, n_non_emb / 1e6, fpt / 1e6,
                  env.world_size, precision, cfg.distributed.zero_stage, cfg.global_batch(env.world_size),

@@ -228,8 +228,11 @@ class Trainer:
         try:
             while self.step < t.max_steps:
                 if self.step in branches:
+                    # the branch's steps are undone: its time is left out of this window's throughput
+                    branch_start, timers = time.perf_counter(), dict(self.timers)
                     self._branch(branches.pop(self.step))
-                    window_start = time.perf_counter()
+                    window_start += time.perf_counter() - branch_start
+                    self.timers = timers
                 step_start = time.perf_counter()
                 loss = self.train_step()
                 if self.cfg.train.compile and first_loss is None:
@@ -284,7 +287,7 @@ class Trainer:
         try:
             while self.step < end:
                 losses.append(self.train_step())
-                signum = distributed.agree_max([self.stop.received or 0])[0]
+                signum = self.stop.agreed()
                 if signum:
                     raise StopRequested(signum, start)
             result = {"branch/end_step": end, "branch/tokens": end * self.tokens_per_step,

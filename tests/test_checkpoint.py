@@ -235,7 +235,7 @@ def test_explicit_missing_checkpoint_path(tmp_path):
 def test_finetune_from_shards_of_another_world_size(tmp_path, straight):
     """init_from loads only the weights (here from a 2-rank checkpoint into 1 rank): the fine-tune
     starts at the pretrained loss, not at a fresh model's, with a fresh step count and schedule."""
-    fresh = run_train(BASE + ["train.max_steps=1", "train.seed=7", f"train.run_dir={tmp_path}/fresh"])
+    run_train(BASE + ["train.max_steps=1", "train.seed=7", f"train.run_dir={tmp_path}/fresh"])
     ft = run_train(BASE + ["train.max_steps=2", f"checkpoint.init_from={straight[2]}/checkpoints",
                            "data.sources=[{path: builtin:python-docs}]", f"train.run_dir={tmp_path}/ft"],
                    config=REPO / "configs" / "finetune_tiny.yaml")

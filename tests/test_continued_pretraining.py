@@ -94,6 +94,23 @@ def test_a_differing_model_section_is_reported(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_model_section_that_matches_is_accepted(tmp_path):
+    """Fields that restate config.json (or derive its values, like the SwiGLU width from
+    multiple_of) are not a difference; changing one derived value is."""
+    from pretrain.build import hf_model_args
+    from pretrain.config import load_config
+    from pretrain.errors import ConfigError
+
+    src = hf_llama_dir(tmp_path / "hf", shard=False)
+    base = [f"checkpoint.init_from={src}", f"data.tokenizer={src}"]
+    same = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2", "model.multiple_of=32",
+            "model.ffn_dim_multiplier=0.9375", "model.rope_theta=50000", "model.max_seq_len=1024"]
+    args = hf_model_args(load_config(CONTINUE, base + same))
+    assert (args.dim, args.kv_heads, args.hidden_dim, args.max_seq_len) == (64, 2, 160, 1024)
+    with pytest.raises(ConfigError, match=r"model.ffn_hidden_dim=192 \(config.json: 160\)"):
+        hf_model_args(load_config(CONTINUE, base + ["model.multiple_of=64"]))
+
+
 @pytest.mark.parametrize("change,named", [
     (dict(model_type="qwen2"), "qwen2"),
     (dict(model_type="mistral", sliding_window=32), "sliding"),

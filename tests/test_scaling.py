@@ -65,6 +65,9 @@ def test_bad_schedules_are_reported_together():
     for part in ("schedule.kind", "schedule.decay_shape", "schedule.decay_fraction", "needs schedule.kind=wsd",
                  "before train.max_steps"):
         assert part in text, part
+    with pytest.raises(Exception, match="start their decay at the same step"):  # 12 - 2 == 13 - 3
+        load_config(None, ["schedule.kind=wsd", "schedule.decay_points=[12,13]", "train.max_steps=100",
+                           "schedule.warmup_steps=5"])
 
 
 # ---------------------------------------------------------------------------------- fitting

@@ -122,14 +122,15 @@ def test_nonfinite_loss_skip_leaves_weights_untouched(tmp_path):
 
 
 def test_wandb_offline_run_logs_scaling_law_fields(tmp_path):
-    run_train(SMALL + ["logging.wandb=offline", "train.max_steps=4", f"train.run_dir={tmp_path}"])
+    run_train(SMALL + ["logging.wandb=offline", "train.max_steps=4", f"train.run_dir={tmp_path}", "scaling.sweep=s1"])
     records = read_wandb_records(tmp_path)
     config = next(r.run.config for r in records if r.WhichOneof("record_type") == "run")
     values = {item.key: json.loads(item.value_json) for item in config.update}
     scaling = values["scaling"].get("value", values["scaling"])
     assert values["train"].get("value", values["train"])["max_steps"] == 4  # the resolved config
     assert scaling["n_params"] > scaling["n_params_non_embedding"] > 0
-    assert scaling["flops_per_token"] > 6 * scaling["n_params_non_embedding"]
+    assert scaling["flops_per_token"] > 6 * scaling["n_params_matmul"] >= 6 * scaling["n_params_non_embedding"]
+    assert scaling["sweep"] == "s1"  # the config's own scaling section is kept
     provenance = values["provenance"].get("value", values["provenance"])  # which code trained it
     assert provenance["pretrain_version"] and "git_commit" in provenance
     metrics = {(r.metric.name or r.metric.glob_name): r.metric.step_metric

@@ -307,5 +307,11 @@ def flops_per_token(args: ModelArgs | Transformer, seq_len: int) -> int:
     weighted sum over the full T x T matrix, not just its causal half.
     """
     a = args.args if isinstance(args, Transformer) else args
-    n = num_params(a, non_embedding=True) + (a.vocab_size * a.dim if a.tie_embeddings else 0)
-    return 6 * n + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
+    return 6 * matmul_params(a) + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
+
+
+def matmul_params(args: ModelArgs | Transformer) -> int:
+    """N of the 6N term above, and of scaling-law fits: every parameter but the embedding lookup,
+    the LM head included even when tied."""
+    a = args.args if isinstance(args, Transformer) else args
+    return num_params(a, non_embedding=True) + (a.vocab_size * a.dim if a.tie_embeddings else 0)

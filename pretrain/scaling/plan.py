@@ -38,7 +38,7 @@ import yaml
 from pretrain.config import Config, load_config
 from pretrain.errors import ConfigError
 from pretrain.model.args import ModelArgs
-from pretrain.model.model import flops_per_token
+from pretrain.model.model import flops_per_token, matmul_params
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +46,6 @@ MANIFEST = "manifest.csv"
 COLUMNS = ["name", "budget", "params", "tokens", "flops", "config", "run", "steps", "end_step", "dim", "n_layers"]
 MAX_LAYERS = 64
 MIN_STEPS = 100  # fewer and the loss is mostly warmup and noise: warned
-
-
-def scaling_params(args: ModelArgs, seq_len: int) -> int:
-    """N: the parameters in the 6N term of the trainer's FLOPs per token."""
-    a = args
-    return (flops_per_token(a, seq_len) - 12 * a.n_layers * a.n_heads * a.head_dim * seq_len) // 6
 
 
 @dataclasses.dataclass
@@ -83,11 +77,11 @@ class Family:
                 off = abs(math.log(args.dim / layers / aspect))
                 if off > math.log(2):
                     continue
-                n = scaling_params(args, self.seq_len)
+                n = matmul_params(args)
                 key = round(math.log(n) * 20)  # shapes within 5% of each other in N: one member
                 if key not in best or off < best[key][0]:
                     best[key] = (off, args)
-        return sorted((scaling_params(a, self.seq_len), a) for _, a in best.values())
+        return sorted((matmul_params(a), a) for _, a in best.values())
 
     def around(self, target: float, sizes: int, span: float) -> tuple[list[tuple[int, ModelArgs]], bool]:
         """`sizes` distinct members spread evenly (in member order, so about evenly in log N) over
@@ -173,8 +167,7 @@ def _write(base: Config, rows: list[dict], out_dir: Path, sweep: str, schedule: 
                              kind="cosine" if schedule == "cosine" else "wsd",
                              decay_points=sorted(m["steps"] for m in members if m["steps"] < steps))
         d["logging"].update(group=sweep, name=f"{sweep}/{run}")
-        d["scaling"] = {"sweep": sweep, "budgets": sorted(m["budget"] for m in members),
-                        "params": members[0]["params"], "tokens": steps * base.global_batch(1) * base.data.seq_len}
+        d["scaling"] = {"sweep": sweep, "budgets": sorted(m["budget"] for m in members)}
         path = out_dir / "configs" / f"{run}.yaml"
         path.write_text(yaml.safe_dump(d, sort_keys=False))
         load_config(str(path))  # every config written is one `pretrain train` accepts

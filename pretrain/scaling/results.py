@@ -53,8 +53,8 @@ def from_sweep(sweep_dir: Path) -> list[Point]:
 def from_run(run_dir: Path) -> list[Point]:
     import yaml
 
-    from pretrain.scaling.plan import scaling_params
     from pretrain.config import config_from_dict
+    from pretrain.model.model import flops_per_token, matmul_params
 
     cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
     if not cfg.model.vocab_size:
@@ -65,9 +65,7 @@ def from_run(run_dir: Path) -> list[Point]:
         raise FitError(f"{run_dir} is unfinished: no eval loss at its last step {cfg.train.max_steps} "
                        "(resume it with checkpoint.resume=auto; runs without data.validation cannot be fitted)")
     ends = [cfg.train.max_steps, *cfg.schedule.decay_points]
-    n = scaling_params(cfg.model, cfg.data.seq_len)
-    from pretrain.model.model import flops_per_token
-
+    n = matmul_params(cfg.model)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     return [Point(n, s * tokens_per_step, losses[s], s * tokens_per_step * fpt, f"{run_dir.name}@{s}")
             for s in ends if s in losses]
