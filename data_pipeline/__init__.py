@@ -6,14 +6,14 @@ not pull in torch.
 
 import importlib
 
-from data_pipeline.config import DataConfig, SourceConfig
+from data_pipeline.config import DataConfig, SourceConfig, source_names
 from data_pipeline.errors import DataError
 from data_pipeline.prepare import prepare  # binds the function over the submodule of the same name
 from data_pipeline.sources import resolve_source
 from data_pipeline.tokenizer import eot_id, load_tokenizer, padded_vocab_size, tokenizer_fingerprint, train_tokenizer
 
 _LAZY = ("TokenLoader", "build_loader", "build_validation_batches", "evaluation_windows", "merge_states")
-__all__ = ["DataConfig", "SourceConfig", "DataError", "prepare", "resolve_source", "eot_id", "load_tokenizer",
+__all__ = ["DataConfig", "SourceConfig", "source_names", "DataError", "prepare", "resolve_source", "eot_id", "load_tokenizer",
            "padded_vocab_size", "tokenizer_fingerprint", "train_tokenizer", *_LAZY]
 
 

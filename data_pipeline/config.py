@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
 
 
@@ -15,6 +17,7 @@ class SourceConfig:
     text_field: str = "text"  # column holding the document text (json/parquet/hub)
     sample_by: str = "paragraph"  # plain-text files: one document per line | paragraph | document
     weight: float = 1.0  # mixture weight: share of training sequences (tokens) drawn from this source
+    label: str = ""  # its name in the metrics (data/tokens/LABEL; "" = from the path)
 
 
 @dataclass
@@ -56,3 +59,22 @@ class DataConfig:
         if self.num_streams <= 0 or self.shuffle_blocks <= 0 or self.num_workers < 0:
             out.append("data.num_streams and data.shuffle_blocks must be >= 1, data.num_workers >= 0")
         return out
+
+
+def source_names(sources: list[SourceConfig]) -> list[str]:
+    """A short, unique name per source for metrics (`data/tokens/NAME`): its `label`, else from its
+    path: builtin:python-docs -> python-docs, org/name -> name, data/web/*.jsonl.gz -> web."""
+    from data_pipeline.sources import COMPRESSIONS, EXT_KINDS
+
+    names = []
+    for src in sources:
+        name = src.label
+        if not name:
+            parts = [p for p in src.path.removeprefix("builtin:").replace("\\", "/").split("/")
+                     if p and not any(c in p for c in "*?[")]
+            name = parts[-1] if parts else "source"
+            while os.path.splitext(name)[1].lower() in {*EXT_KINDS, *COMPRESSIONS}:
+                name = os.path.splitext(name)[0]
+        name = re.sub(r"[^\w.-]", "_", name) or "source"
+        names.append(name if name not in names else f"{name}-{len(names)}")
+    return names

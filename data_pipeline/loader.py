@@ -85,11 +85,13 @@ def _plan(sources: list[SourceConfig], data: DataConfig, tok, seed: int, shuffle
     for j, src in enumerate(resolved):
         if isinstance(src, PreparedSource):
             plan.stream(j, plan.num_streams - 1, None)  # fails now, not mid-run, if a stream gets no window
+    reads = ",".join("prepared" if isinstance(s, PreparedSource) else
+                     "shards" if s.n_shards >= plan.num_streams else "rows" for s in resolved)
     fingerprint = {
         "sources": _digest([[s.fingerprint, w] for s, w in zip(resolved, weights)]),
         "tokenizer": tok_fp,
         "order": f"seq_len={plan.seq_len} seed={seed} shuffle_blocks={plan.shuffle_blocks} "
-                 f"shuffle_shards={plan.shuffle_shards}",
+                 f"shuffle_shards={plan.shuffle_shards} streams_read={reads}",
     }
     return plan, fingerprint
 
@@ -194,10 +196,16 @@ class TokenLoader:
         return self._m * self.world_size
 
     def stats(self) -> dict:
-        """Documents tokenized and empty documents skipped by this rank's text streams, up to the
-        start of each stream's current shuffle block."""
-        states = [st for st in self._states.values() if "docs" in st]
-        return {"docs": sum(st["docs"] for st in states), "empty_docs": sum(st["empty"] for st in states)}
+        """This rank's accounting since the start of the run (it is part of the saved position):
+        `docs`, `empty_docs`: documents tokenized and empty ones skipped by its text streams, and
+        `parsed_docs`: the rows parsed to find them (all up to the end of each stream's current
+        shuffle block); `sequences`: sequences handed out from each source."""
+        read = [st.get("read", [st["docs"], st["empty"], 0]) for st in self._states.values() if "docs" in st]
+        sequences = [0] * len(self.plan.sources)
+        for key, st in self._states.items():
+            sequences[int(key.split("/")[0])] += st.get("windows", 0)
+        docs, empty, parsed = (sum(r[k] for r in read) for k in range(3))
+        return {"docs": docs, "empty_docs": empty, "parsed_docs": parsed, "sequences": sequences}
 
     def _items(self) -> Iterator:
         data = _Sequences(self.plan, self.rank, self.world_size, self._m, dict(self._states))
@@ -301,6 +309,12 @@ def build_loader(data_cfg: DataConfig, tokenizer=None, rank: int = 0, world_size
     """
     plan, fingerprint = _plan(data_cfg.sources, data_cfg, tokenizer,
                               data_cfg.seed if seed is None else seed, shuffle=True)
+    for cfg, src in zip(data_cfg.sources, plan.sources):
+        if rank == 0 and not isinstance(src, PreparedSource) and src.n_shards < plan.num_streams:
+            log.info("data source %r has %d shard(s) for data.num_streams=%d: every stream reads all of it "
+                     "and keeps 1/%d of its rows (each reader parses it in full); with at least %d files "
+                     "each stream reads only its own", cfg.path, src.n_shards, plan.num_streams,
+                     plan.num_streams, plan.num_streams)
     return TokenLoader(plan, fingerprint, rank, world_size, micro_batch_size, data_cfg.num_workers,
                        data_cfg.force_resume)
 

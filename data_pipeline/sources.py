@@ -29,7 +29,7 @@ COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 SAMPLE_BY = ("line", "paragraph", "document")
 META = "meta.json"
 PREPARED_FORMAT = "pretrain-tokens/1"  # meta.json "format" of a prepared directory this version reads
-READ_ROWS = 1024  # rows per Arrow table read from a shard
+READ_ROWS = 256  # rows per Arrow table read from a shard
 SHARED_BYTES = 64 << 20  # Arrow tables of a shard kept for the other streams of a process to read
 
 
@@ -129,9 +129,10 @@ class TextSource:
                             "set text_field to a text column")
         return col
 
-    def tables(self, shard: int) -> Iterator[tuple[int, object]]:
+    def tables(self, shard: int, parsed: list | None = None) -> Iterator[tuple[int, object]]:
         """(first row, Arrow table) of `shard`, in order. The streams of a process that read the same
-        shard at about the same time share one parse of it (see _SharedShard)."""
+        shard at about the same time share one parse of it (see _SharedShard). `parsed[0]` counts
+        the rows this caller had parsed (not those it found already parsed by another stream)."""
         if self._shared is None:
             self._shared = weakref.WeakValueDictionary()
         reader = self._shared.get(shard)
@@ -139,7 +140,10 @@ class TextSource:
             reader = self._shared[shard] = _SharedShard(self, shard)
         t = 0
         while True:
+            before = reader.rows
             got = reader.table(t)
+            if parsed is not None:
+                parsed[0] += reader.rows - before
             if got is _EVICTED:  # this stream lags too far behind the others: parse again on its own
                 reader = self._shared[shard] = _SharedShard(self, shard)
                 continue
@@ -148,11 +152,12 @@ class TextSource:
             yield got
             t += 1
 
-    def docs(self, shard: int, start: int = 0, step: int = 1, phase: int = 0) -> Iterator[tuple[int, str]]:
+    def docs(self, shard: int, start: int = 0, step: int = 1, phase: int = 0,
+             parsed: list | None = None) -> Iterator[tuple[int, str]]:
         """(row, text) for the rows >= start of `shard` with row % step == phase, in order.
-        Missing (null) texts come as ""."""
+        Missing (null) texts come as "". `parsed[0]` counts the rows parsed for it (see tables)."""
         try:
-            for row, table in self.tables(shard):
+            for row, table in self.tables(shard, parsed):
                 n = table.num_rows
                 first = max(start, row)
                 r = first + (phase - first) % step
@@ -260,7 +265,7 @@ class _SharedShard:
             ds = ds.shard(num_shards=src.n_shards, index=shard)
         self._it = iter(ds.with_format("arrow").iter(batch_size=READ_ROWS))
         self._tables = {}  # table index -> (first row, table)
-        self._count, self._row, self._bytes, self._done, self._error = 0, 0, 0, False, None
+        self._count, self.rows, self._bytes, self._done, self._error = 0, 0, 0, False, None
 
     def table(self, t: int):
         if self._error is not None:  # every stream reading this shard fails, none sees it end early
@@ -274,9 +279,9 @@ class _SharedShard:
             if table is None:
                 self._done = True
                 break
-            self._tables[self._count] = (self._row, table)
+            self._tables[self._count] = (self.rows, table)
             self._count += 1
-            self._row += table.num_rows
+            self.rows += table.num_rows  # parsed so far
             self._bytes += table.nbytes
             while self._bytes > SHARED_BYTES and len(self._tables) > 1:
                 self._bytes -= self._tables.pop(min(self._tables))[1].nbytes
@@ -402,6 +407,10 @@ def resolve_source(cfg: SourceConfig) -> TextSource | PreparedSource:
             src = PreparedSource(path, Path(local))
             src.check()
             return src
+        if os.path.isdir(os.path.join(local, "parts")) and glob.glob(os.path.join(local, "tokens-*.bin")):
+            raise DataError(f"data source {path!r} is a prepared directory without its {META}: its "
+                            "`pretrain data prepare` has not finished (with --num-tasks: run every task, then "
+                            "--merge)")
         if kind == "prepared":
             raise DataError(f"data source {path!r} has no {META}: run `pretrain data prepare` into it first")
         files = sorted(str(f) for f in Path(local).rglob("*")

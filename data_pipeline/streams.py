@@ -1,10 +1,12 @@
 """Streams: independent, deterministic, resumable iterators of token windows.
 
-Every source is split into `num_streams` streams. A text stream owns the documents at (shard position p,
-row i) with (p + i) % num_streams == its index, packs them (each followed by the end-of-text token)
-and cuts windows of seq_len+1 tokens. Its position is a cursor (epoch, p, i, token offset) of the first
-token not yet emitted, so it resumes by reopening one shard, not by replaying the stream. Windows are
-shuffled in blocks: the block is rebuilt from its starting cursor on resume, so no buffer is saved.
+Every source is split into `num_streams` streams. A text stream owns whole shards (positions s, s+N,
+... of the epoch's shard order) when the source has at least N shards, so each shard is read once;
+else the documents at (shard position p, row i) with (p + i) % N == s. It packs its documents (each
+followed by the end-of-text token) and cuts windows of seq_len+1 tokens. Its position is a cursor
+(epoch, p, i, token offset) of the first token not yet emitted, so it resumes by reopening one shard,
+not by replaying the stream. Windows are shuffled in blocks: the block is rebuilt from its starting
+cursor on resume, so no buffer is saved.
 A prepared stream takes every num_streams-th window of a seeded permutation of all windows.
 
 A stream's state is a small JSON-able dict; `next()` returns (window, state after this window).
@@ -58,24 +60,36 @@ def shard_order(n: int, seed: int, source: int, epoch: int, shuffle: bool) -> np
 
 class TextStream:
     """Stream `s` of text source `j`. State: the cursor at the start of the current shuffle block
-    (epoch, shard_pos, doc, offset, and the docs/empty-docs counts before it), the block index and the
-    windows already taken from the block."""
+    (epoch, shard_pos, doc, offset, and the documents used, empty documents skipped and rows parsed
+    before it), the block index and the windows already taken from the block.
+
+    Which documents are its own: with at least as many shards as streams (`owns_shards`), the shards
+    at positions s, s+N, s+2N, ... of the epoch's shard order, every row of them, so that each shard
+    is read by one stream only; with fewer shards, row (p, i) of every shard with (p + i) % N == s,
+    so every stream reads every shard (and skips the others' rows)."""
+
+    STATE = ("epoch", "shard_pos", "doc", "offset", "docs", "empty", "parsed")
 
     def __init__(self, src: TextSource, tok, eot: int, j: int, s: int, n_streams: int, seq_len: int,
                  seed: int, block: int, shuffle_shards: bool, state: dict | None = None):
         self.src, self.tok, self.eot, self.j, self.s = src, tok, eot, j, s
         self.n, self.length, self.seed, self.B = n_streams, seq_len + 1, seed, block
         self.shuffle_shards = shuffle_shards
+        self.owns_shards = src.n_shards >= n_streams
         state = state or {}
-        self.start = tuple(int(state.get(k, 0)) for k in ("epoch", "shard_pos", "doc", "offset", "docs", "empty"))
+        self.start = tuple(int(state.get(k, 0)) for k in self.STATE)
         self.block = int(state.get("block", 0))
         self.taken = int(state.get("taken", 0))
         self._raw = None
         self._windows = None  # the current block, in emit order
 
     def state(self) -> dict:
-        keys = ("epoch", "shard_pos", "doc", "offset", "docs", "empty")
-        return {**dict(zip(keys, self.start)), "block": self.block, "taken": self.taken}
+        """The position (STATE, block, taken), and for accounting only (not read back): `windows`
+        emitted, and `read`: [documents, empty documents, rows parsed] up to the end of the current
+        block, the documents its windows came from and what it took to find them."""
+        end = self._next_start if self._windows is not None else self.start
+        return {**dict(zip(self.STATE, self.start)), "block": self.block, "taken": self.taken,
+                "windows": self.block * self.B + self.taken, "read": list(end[4:])}
 
     def next(self) -> tuple[np.ndarray, dict]:
         if self._windows is None:
@@ -98,16 +112,23 @@ class TextStream:
 
     def _packed(self, cursor: tuple) -> Iterator[tuple[np.ndarray, tuple]]:
         """Windows of `length` tokens from `cursor` on, each with the cursor just after it."""
-        epoch, p, i, off, ndocs, nempty = cursor
+        epoch, p, i, off, ndocs, nempty, nparsed = cursor
         n, length, src = self.n, self.length, self.src
+        parsed = [nparsed]  # rows parsed for this stream, counted by the source as it reads
         parts, have = [], 0  # pending tokens (array views), not yet emitted, and how many
         drop = (p, i, off)  # tokens of the first document already emitted before the cursor
         while True:
             fresh = p == 0 and i == 0 and off == 0  # a whole epoch read from its start
             epoch_tokens = 0
             order = shard_order(src.n_shards, self.seed, self.j, epoch, self.shuffle_shards)
-            for pos in range(p, src.n_shards):
-                rows = src.docs(int(order[pos]), i if pos == p else 0, n, (self.s - pos) % n)
+            if self.owns_shards:  # positions s, s+N, ...: whole shards
+                positions = range(p + (self.s - p) % n, src.n_shards, n)
+            else:
+                positions = range(p, src.n_shards)
+            for pos in positions:
+                start = i if pos == p else 0
+                step, phase = (1, 0) if self.owns_shards else (n, (self.s - pos) % n)
+                rows = src.docs(int(order[pos]), start, step, phase, parsed)
                 for batch in _batched(rows, ENCODE_DOCS):
                     recs, texts = [], []
                     for row, text in batch:
@@ -132,15 +153,17 @@ class TextStream:
                             o += take
                             w = np.concatenate(parts) if len(parts) > 1 else parts[0]
                             parts, have = [], 0
-                            yield w, (epoch, pos, row, o, nd, ne)
+                            yield w, (epoch, pos, row, o, nd, ne, parsed[0])
                         if o < len(toks):
                             parts.append(toks[o:])
                             have += len(toks) - o
             if fresh and epoch_tokens < length:
+                what = (f"{len(positions)} of the {src.n_shards} shards" if self.owns_shards
+                        else f"1/{n} of the documents")
                 raise DataError(
                     f"data source {src.label!r}: stream {self.s} of {n} has {epoch_tokens} tokens in an "
-                    f"epoch, fewer than seq_len+1={length}: the corpus is too small; lower data.seq_len or "
-                    "data.num_streams, split it into more documents (sample_by), or add data")
+                    f"epoch, fewer than seq_len+1={length} (it reads {what}): the corpus is too small; lower "
+                    "data.seq_len or data.num_streams, split it into more documents (sample_by), or add data")
             epoch, p, i, off = epoch + 1, 0, 0, 0
 
 
@@ -181,4 +204,6 @@ class PreparedStream:
         if self.shuffle:
             w = int(self.src.permutation((self.seed, self.j, self.epoch), self.windows)[pos])
         self.k += 1
-        return self.src.window(w, self.length), {"epoch": self.epoch, "k": self.k}
+        per_epoch = len(range(self.s, self.windows, self.n))
+        return self.src.window(w, self.length), {"epoch": self.epoch, "k": self.k,
+                                                 "windows": self.epoch * per_epoch + self.k}

@@ -44,7 +44,8 @@ def _prepare(args) -> None:
     from pretrain.config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    prepare(cfg.data, args.out, num_proc=args.num_proc)
+    prepare(cfg.data, args.out, num_proc=args.num_proc, task_index=args.task_index, num_tasks=args.num_tasks,
+            merge=args.merge, progress=not args.no_progress)
 
 
 def _export(args) -> None:
@@ -108,7 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     tt.set_defaults(fn=_train_tokenizer)
     pr = with_config(data.add_parser("prepare", help="tokenize data.sources into binary token shards"))
     pr.add_argument("--out", required=True, help="output directory for shards and meta.json")
-    pr.add_argument("--num-proc", type=int, default=0, help="tokenizer processes (0 = all cores)")
+    pr.add_argument("--num-proc", type=int, default=0, help="processes (0 = all cores)")
+    pr.add_argument("--task-index", type=int, default=0, help="this task's index, for --num-tasks > 1")
+    pr.add_argument("--num-tasks", type=int, default=1,
+                    help="independent tasks sharing the input shards (task I takes shard k if k %% N == I); "
+                         "then --merge")
+    pr.add_argument("--merge", action="store_true", help="write meta.json once every task has finished")
+    pr.add_argument("--no-progress", action="store_true", help="no progress bar")
     pr.set_defaults(fn=_prepare)
 
     ex = sub.add_parser("export", help="export a checkpoint to Hugging Face Llama format")

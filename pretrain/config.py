@@ -3,12 +3,19 @@
 Precedence, lowest to highest: dataclass defaults < model preset < YAML file (and the files it
 `extends:`) < dotted command-line overrides (`train.max_steps=50 model.n_layers=2`).
 Unknown keys, wrong types and impossible combinations are collected and reported together.
+
+Relative paths: one rule. A relative path written in a config file is relative to that file's
+directory (`extends:`, data sources, the tokenizer, train.run_dir, checkpoint.resume and
+init_from); on the command line, relative to the working directory. They are made absolute as the
+config is loaded, so a run starts the same from any directory and its saved config.yaml names
+the files it used. (A source like `org/name` that is no local path is a hub dataset, left as is.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -237,7 +244,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
         if not sep or not key:
             errors.append(f"override {item!r} is not of the form section.key=value")
             continue
-        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else "")
+        value = yaml.safe_load(value) if value.strip() else ""
+        alone: dict = {}  # the override by itself, its paths anchored at the working directory
+        _set_dotted(alone, key.strip(), value)
+        _anchor_paths(alone, Path.cwd())
+        node = alone
+        for part in key.strip().split("."):
+            node = node[part]
+        _set_dotted(raw, key.strip(), node)
     model = raw.get("model")
     if isinstance(model, dict) and model.get("preset"):
         preset = model["preset"]
@@ -278,10 +292,45 @@ def _read_yaml(path: Path, seen: set) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     parent = data.pop("extends", None)
+    _anchor_paths(data, path.parent.absolute())
     if parent:
         base = _read_yaml((path.parent / parent), seen)
         data = _deep_merge(base, data)
     return data
+
+
+def _anchor_paths(raw: dict, base: Path) -> None:
+    """Make the relative paths in `raw` (a config file's dict, or one override) absolute against
+    `base`, in place (the rule in the module doc). Values of the wrong type are left for the type
+    check to report."""
+    from data_pipeline.sources import _looks_like_hub
+
+    def local(path: str) -> str:
+        return os.path.normpath(os.path.join(base, os.path.expanduser(path)))
+
+    def section(name: str) -> dict:
+        node = raw.get(name)
+        return node if isinstance(node, dict) else {}
+
+    train, ckpt, data = section("train"), section("checkpoint"), section("data")
+    if isinstance(train.get("run_dir"), str) and train["run_dir"]:
+        train["run_dir"] = local(train["run_dir"])
+    if isinstance(ckpt.get("resume"), str) and ckpt["resume"] not in ("", "none", "auto"):
+        ckpt["resume"] = local(ckpt["resume"])
+    if isinstance(ckpt.get("init_from"), str) and ckpt["init_from"] and not ckpt["init_from"].startswith("hub:"):
+        ckpt["init_from"] = local(ckpt["init_from"])
+    tok = data.get("tokenizer")
+    if isinstance(tok, str) and tok and not tok.startswith(("builtin:", "hub:")):
+        data["tokenizer"] = local(tok)
+    for key in ("sources", "validation"):
+        for src in data.get(key) or []:
+            if not isinstance(src, dict) or not isinstance(src.get("path"), str) or not src["path"]:
+                continue
+            path, kind = src["path"], src.get("kind", "auto")
+            if path.startswith("builtin:") or kind in ("hub", "builtin"):
+                continue
+            if kind != "auto" or not _looks_like_hub(path) or os.path.exists(local(path)):
+                src["path"] = local(path)
 
 
 def _deep_merge(base: dict, top: dict) -> dict:

@@ -91,9 +91,18 @@ def cpu_group():
 def agree_max(values: list[int]) -> list[int]:
     """Element-wise maximum of small integers over all ranks, host to host (the CPU group): it never
     waits for a GPU, so the trainer can ask after every step."""
+    return _host_all_reduce(values, dist.ReduceOp.MAX)
+
+
+def sum_over_ranks(values: list[int]) -> list[int]:
+    """Element-wise sum of integers over all ranks, host to host (the CPU group)."""
+    return _host_all_reduce(values, dist.ReduceOp.SUM)
+
+
+def _host_all_reduce(values: list[int], op) -> list[int]:
     flags = torch.tensor(values, dtype=torch.int64)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group())
+        dist.all_reduce(flags, op=op, group=cpu_group())
     return flags.tolist()
 
 

@@ -265,6 +265,7 @@ class Trainer:
             progress.close()
             self.data_iter = None  # stop the data workers now, before the process is torn down
         summary = {"final_step": self.step, "first_loss": first_loss, "final_loss": last_loss}
+        self._log_mixture(self.data_metrics())
         if self.val_batches:
             summary.update(self.evaluate())
             self._log_eval(summary)
@@ -305,6 +306,39 @@ class Trainer:
         log.info("step %6d | decay branch to step %d: train loss %.4f%s", start, end, result["branch/train_loss"],
                  f", eval loss {result['branch/eval_loss']:.4f}" if "branch/eval_loss" in result else "")
 
+    def data_metrics(self) -> dict:
+        """Since the start of the run, over all ranks (collective): the tokens drawn from each source,
+        their shares of the total (the mixture actually trained on) when there are several, and the
+        read amplification of the text sources (rows parsed by all readers / documents used)."""
+        import data_pipeline as dp
+
+        stats = self.loader.stats()
+        parsed, used, *sequences = distributed.sum_over_ranks(
+            [stats["parsed_docs"], stats["docs"] + stats["empty_docs"], *stats["sequences"]])
+        out = {}
+        if used:
+            out["data/read_amplification"] = parsed / used
+        total = sum(sequences)
+        for name, n in zip(dp.source_names(self.cfg.data.sources), sequences):
+            out[f"data/tokens/{name}"] = n * self.cfg.data.seq_len
+            if len(sequences) > 1 and total:
+                out[f"data/share/{name}"] = n / total
+        return out
+
+    def _log_mixture(self, metrics: dict) -> None:
+        """One line: the tokens drawn from each source against the configured weights."""
+        import data_pipeline as dp
+
+        sources = self.cfg.data.sources
+        total_weight = sum(s.weight for s in sources)
+        parts = [f"{name} {metrics[f'data/tokens/{name}']:,}"
+                 + (f" ({metrics[f'data/share/{name}']:.1%}, weight {src.weight / total_weight:.1%})"
+                    if f"data/share/{name}" in metrics else "")
+                 for name, src in zip(dp.source_names(sources), sources)]
+        amplification = metrics.get("data/read_amplification")
+        log.info("data: tokens drawn since the start of the run: %s%s", ", ".join(parts),
+                 f"; read amplification {amplification:.2f}" if amplification else "")
+
     def _axes(self) -> dict:
         return {"tokens_seen": self.tokens_seen, "flops": self.tokens_seen * self.flops_per_token}
 
@@ -331,6 +365,7 @@ class Trainer:
         }
         if self.peak:
             record["perf/mfu"] = per_device * self.flops_per_token / self.peak
+        record.update(self.data_metrics())
         self.timers = dict.fromkeys(self.timers, 0.0)
         self.logger.log(record, self.step)
         mfu = f" mfu {record['perf/mfu']:.1%}" if "perf/mfu" in record else ""

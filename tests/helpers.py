@@ -45,7 +45,8 @@ def train_env(extra: dict | None = None) -> dict:
 
 
 def run_train(overrides: list[str], nproc: int = 1, config: Path = TINY, launcher: str = "torchrun",
-              timeout: int = 300, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+              timeout: int = 300, env: dict | None = None, check: bool = True,
+              cwd: Path = REPO) -> subprocess.CompletedProcess:
     """`pretrain train` in fresh processes (1 = plain python; n = torchrun/accelerate with n CPU ranks)."""
     args = ["train", str(config), "logging.progress=false", *overrides]
     if nproc == 1 and launcher == "torchrun":
@@ -62,7 +63,7 @@ def run_train(overrides: list[str], nproc: int = 1, config: Path = TINY, launche
                str(free_port()), "--module", "pretrain", *args]
     else:
         raise ValueError(launcher)
-    proc = subprocess.run(cmd, cwd=REPO, env=train_env(env), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=train_env(env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

@@ -113,3 +113,52 @@ def test_cli_prints_resolved_config_and_exits_nonzero_on_error(capsys):
     assert main(["config", "show", str(CONFIGS[0]), "train.max_step=11"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pretrain: error: unknown key 'train.max_step'") and "Traceback" not in err
+
+
+def test_relative_paths_follow_the_file_that_names_them(tmp_path, monkeypatch):
+    """In a config file: relative to its directory (extends too); on the command line: relative to
+    the working directory. Hub and builtin names are left alone."""
+    project = tmp_path / "project"
+    (project / "configs" / "base").mkdir(parents=True)
+    (project / "data").mkdir()
+    (project / "configs" / "base" / "b.yaml").write_text(
+        "data: {tokenizer: ../../tok.json, validation: [{path: ../../data/val.jsonl}]}\n")
+    (project / "configs" / "run.yaml").write_text(
+        "extends: base/b.yaml\n"
+        "data: {sources: [{path: ../data/*.jsonl}, {path: ../data}, {path: org/name}, {path: builtin:python-docs}]}\n"
+        "train: {run_dir: ../runs/r}\ncheckpoint: {init_from: ../runs/old/checkpoints, resume: auto}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(project / "configs" / "run.yaml")
+    assert cfg.data.tokenizer == str(project / "tok.json")  # from base/b.yaml, relative to it
+    assert cfg.data.validation[0].path == str(project / "data" / "val.jsonl")
+    assert [s.path for s in cfg.data.sources] == [str(project / "data" / "*.jsonl"), str(project / "data"),
+                                                  "org/name", "builtin:python-docs"]
+    assert cfg.train.run_dir == str(project / "runs" / "r") and cfg.checkpoint.resume == "auto"
+    assert cfg.checkpoint.init_from == str(project / "runs" / "old" / "checkpoints")
+    cfg = load_config(project / "configs" / "run.yaml", ["train.run_dir=mine", "data.tokenizer=hub:gpt2",
+                                                         "data.sources=[{path: x.txt}]"])
+    assert cfg.train.run_dir == str(elsewhere / "mine") and cfg.data.tokenizer == "hub:gpt2"
+    assert cfg.data.sources[0].path == str(elsewhere / "x.txt")
+
+
+@pytest.mark.slow
+def test_a_run_starts_the_same_from_another_directory(tmp_path):
+    """A config beside its own tokenizer and data, started from an unrelated directory: it trains,
+    and the run dir lands where the config says."""
+    import shutil
+
+    from helpers import REPO, run_train
+
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    shutil.copy(REPO / "data_pipeline" / "assets" / "python-docs-bpe.json", project / "tok.json")
+    (project / "data" / "a.txt").write_text("".join(f"Paragraph {i}: a list of values.\n\n" for i in range(400)))
+    (project / "run.yaml").write_text(f"extends: {REPO / 'configs' / 'tiny.yaml'}\n"
+                                      "data: {tokenizer: tok.json, sources: [{path: data/a.txt}], validation: []}\n"
+                                      "train: {run_dir: runs/r, max_steps: 2, eval_every: 0}\n")
+    (tmp_path / "elsewhere").mkdir()
+    run_train(["data.seq_len=32", "logging.wandb=disabled"], config=project / "run.yaml", cwd=tmp_path / "elsewhere")
+    assert (project / "runs" / "r" / "checkpoints" / "step_00000002").is_dir()
+    assert not (tmp_path / "elsewhere" / "runs").exists()

@@ -33,10 +33,26 @@ def test_tiny_preset_learns_shakespeare_with_gpt2_tokenizer(tmp_path):
 
 
 def test_two_processes_match_one_process(tmp_path):
-    """Same global batch of 8: 1 rank x 2 accumulation steps vs 2 ranks x 1 (same micro-batch)."""
+    """Same global batch of 8: 1 rank x 2 accumulation steps vs 2 ranks x 1 (same micro-batch), on a
+    mixture of two sources whose tokens are counted over all ranks."""
     one, two = tmp_path / "one", tmp_path / "two"
-    run_train(SMALL + ["train.max_steps=6", f"train.run_dir={one}"])
-    proc = run_train(SMALL + ["train.max_steps=6", f"train.run_dir={two}"], nproc=2)
+    (tmp_path / "files").mkdir()
+    for f in range(8):  # as many files as streams: each stream reads its own
+        (tmp_path / "files" / f"part-{f}.txt").write_text("".join(
+            f"Paragraph {f}.{i}: the value of a list is returned by the function.\n\n" for i in range(200)))
+    mixture = [f"data.sources=[{{path: builtin:python-docs, weight: 3}}, {{path: {tmp_path / 'files'}, weight: 1}}]"]
+    run_train(SMALL + mixture + ["train.max_steps=6", f"train.run_dir={one}"])
+    proc = run_train(SMALL + mixture + ["train.max_steps=6", f"train.run_dir={two}"], nproc=2)
+    last = [[r for r in read_metrics(run) if "train/loss" in r][-1] for run in (one, two)]
+    for record in last:
+        drawn = {k: v for k, v in record.items() if k.startswith("data/tokens/")}
+        assert sorted(drawn) == ["data/tokens/files", "data/tokens/python-docs"]
+        assert sum(drawn.values()) == record["tokens_seen"] == 6 * 8 * 64
+        assert record["data/share/python-docs"] == pytest.approx(0.75, abs=0.15)
+        assert record["data/read_amplification"] >= 1
+    assert {k: v for k, v in last[0].items() if k.startswith("data/tokens/")} == {
+        k: v for k, v in last[1].items() if k.startswith("data/tokens/")}  # the same mixture at any world size
+    assert "data: tokens drawn since the start of the run: python-docs" in proc.stderr + proc.stdout
     a, b = losses(one), losses(two)
     assert sorted(a) == sorted(b) == list(range(1, 7))
     for step in a:

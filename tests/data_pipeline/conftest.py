@@ -18,3 +18,14 @@ def corpus(tmp_path):
     for f in range(3):
         write_jsonl(d / f"part-{f}.jsonl", make_docs(40, seed=f, tag=f"f{f}d"))
     return d
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    """8 jsonl files of 10 short documents each (more files than the 4 streams: each stream reads
+    its own 2 files); returns the directory."""
+    d = tmp_path / "sharded"
+    d.mkdir()
+    for f in range(8):
+        write_jsonl(d / f"part-{f}.jsonl", make_docs(10, seed=f, tag=f"s{f}d"))
+    return d

@@ -16,19 +16,32 @@ def corpus_docs(corpus):
     return [json.loads(line)["text"] for f in sorted(corpus.glob("*.jsonl")) for line in f.read_text().splitlines()]
 
 
+def prepared_tokens(out) -> list[int]:
+    """The tokens of a prepared directory, its files concatenated in meta.json's order."""
+    meta = json.loads((out / "meta.json").read_text())
+    return np.concatenate([np.fromfile(out / s["file"], dtype=meta["dtype"]) for s in meta["shards"]]).tolist()
+
+
 def test_prepare_writes_tokens_and_meta(corpus, tmp_path, tok):
     write_jsonl(corpus / "part-3.jsonl", ["", "   ", "last doc"])  # empty docs are skipped and counted
     cfg = data_cfg(corpus)
-    [out] = prepare(cfg, tmp_path / "prep", num_proc=2)
+    [out] = prepare(cfg, tmp_path / "prep", num_proc=2)  # 4 files: two processes, whole files each
     meta = json.loads((out / "meta.json").read_text())
     docs = corpus_docs(corpus)
     expected = doc_tokens(tok, [d for d in docs if d.strip()])
     assert meta["dtype"] == "uint16" and meta["eot_id"] == 0 and meta["vocab_size"] == 4096
     assert (meta["tokens"], meta["docs"], meta["empty_docs"]) == (len(expected), 121, 2)
-    assert np.fromfile(out / "tokens-00000.bin", dtype=np.uint16).tolist() == expected
+    assert [s["file"] for s in meta["shards"]] == [f"tokens-{k:05d}.bin" for k in range(4)]  # one per input file
+    assert prepared_tokens(out) == expected
     assert resolve_source(SourceConfig(path=str(out))).kind == "prepared"  # found by its meta.json
     [again] = prepare(cfg, tmp_path / "prep1", num_proc=1)
-    assert (again / "tokens-00000.bin").read_bytes() == (out / "tokens-00000.bin").read_bytes()
+    assert prepared_tokens(again) == expected
+
+
+def test_one_file_is_read_here_and_tokenized_in_the_pool(corpus, tmp_path, tok):
+    one = write_jsonl(tmp_path / "one.jsonl", corpus_docs(corpus))
+    [out] = prepare(data_cfg(one), tmp_path / "prep", num_proc=2)
+    assert prepared_tokens(out) == doc_tokens(tok, corpus_docs(corpus))
 
 
 def test_prepared_windows_equal_streaming(corpus, tmp_path, tok, monkeypatch):
@@ -36,7 +49,7 @@ def test_prepared_windows_equal_streaming(corpus, tmp_path, tok, monkeypatch):
     monkeypatch.setattr(module, "SHARD_TOKENS", 100)  # many files: windows cross files
     cfg = data_cfg(corpus, num_streams=1, shuffle_blocks=1, shuffle_shards=False)
     [out] = prepare(cfg, tmp_path / "prep", num_proc=2)
-    assert len(list(out.glob("tokens-*.bin"))) > 20
+    assert len(json.loads((out / "meta.json").read_text())["shards"]) > 20
     pcfg = data_cfg(SourceConfig(path=str(out), kind="prepared"), num_streams=1, shuffle_blocks=1)
     n = json.loads((out / "meta.json").read_text())["tokens"] // 17 // 4
     streamed = windows(take(build_loader(cfg, tok, 0, 1, 4), n))
@@ -46,7 +59,7 @@ def test_prepared_windows_equal_streaming(corpus, tmp_path, tok, monkeypatch):
 
 def test_prepared_shuffled_covers_each_window_once_per_epoch(corpus, tmp_path, tok):
     [out] = prepare(data_cfg(corpus), tmp_path / "prep", num_proc=1)
-    tokens = np.fromfile(out / "tokens-00000.bin", dtype=np.uint16).astype(np.int64)
+    tokens = np.asarray(prepared_tokens(out), dtype=np.int64)
     n_windows = len(tokens) // 17
     all_windows = {tuple(w) for w in tokens[:n_windows * 17].reshape(-1, 17).tolist()}
     pcfg = data_cfg(out, num_streams=4, shuffle_blocks=8)
@@ -102,3 +115,55 @@ def test_a_prepared_dir_of_another_format_is_refused(corpus, tmp_path):
     (out / "meta.json").write_text(json.dumps({**meta, "format": "pretrain-tokens/9"}))
     with pytest.raises(DataError, match="has format 'pretrain-tokens/9', this pretrain reads 'pretrain-tokens/1'"):
         resolve_source(SourceConfig(path=str(out)))
+
+
+def test_tasks_then_merge_equal_one_process(corpus, tmp_path, tok, capsys):
+    """3 tasks take the 4 files k % 3; nothing is usable before --merge, which refuses while a task
+    is missing; the merged directory is the one a single process writes, and the printed config
+    trains on it."""
+    import yaml
+
+    write_jsonl(corpus / "part-3.jsonl", make_docs(20, seed=9))
+    cfg = data_cfg(corpus)
+    [single] = prepare(cfg, tmp_path / "single", num_proc=1)
+    out = tmp_path / "tasks"
+    for i in (0, 2):
+        prepare(cfg, out, num_proc=1, task_index=i, num_tasks=3)
+    assert not (out / "meta.json").exists()
+    with pytest.raises(DataError, match="not finished"):
+        build_loader(data_cfg(out), tok, 0, 1, 1)
+    with pytest.raises(DataError, match=r"1 of 4 shards .* not prepared \(shards 1\).*k % --num-tasks"):
+        prepare(cfg, out, merge=True)
+    prepare(cfg, out, num_proc=2, task_index=1, num_tasks=3)
+    capsys.readouterr()
+    prepare(cfg, out, merge=True)
+    assert prepared_tokens(out) == prepared_tokens(single)
+    keys = ("tokens", "docs", "empty_docs", "shards", "source", "tokenizer_fingerprint")
+    meta = [json.loads((d / "meta.json").read_text()) for d in (out, single)]
+    assert {k: meta[0][k] for k in keys} == {k: meta[1][k] for k in keys}
+    assert resolve_source(SourceConfig(path=str(out))).fingerprint == resolve_source(
+        SourceConfig(path=str(single))).fingerprint  # the same data to a resume
+    snippet = capsys.readouterr().out.split("# train on it")[1]
+    data = yaml.safe_load(snippet.split("\n", 1)[1])["data"]
+    assert data["sources"][0]["path"] == str(out)
+    from data_pipeline.config import DataConfig
+
+    loaded = DataConfig(**{**data, "sources": [SourceConfig(**s) for s in data["sources"]]})
+    assert len(take(build_loader(loaded, tok, 0, 1, 2), 2)) == 2
+
+
+def test_a_killed_prepare_keeps_its_finished_shards(corpus, tmp_path, tok, capsys):
+    cfg = data_cfg(corpus)
+    [out] = prepare(cfg, tmp_path / "prep", num_proc=1)
+    want = prepared_tokens(out)
+    (out / "parts" / "shard-00001.json").unlink()  # as if killed while writing shard 1
+    (out / "tokens-00001.bin").write_bytes(b"\0\0")
+    capsys.readouterr()
+    prepare(cfg, out, num_proc=1)
+    assert "2 of 3 shards already prepared, kept" in capsys.readouterr().out
+    assert prepared_tokens(out) == want
+
+
+def test_bad_task_arguments(corpus, tmp_path):
+    with pytest.raises(DataError, match="--task-index 3 --num-tasks 3"):
+        prepare(data_cfg(corpus), tmp_path / "p", task_index=3, num_tasks=3)

@@ -10,9 +10,13 @@ from data_pipeline.tokenizer import train_tokenizer
 from dputil import data_cfg, make_docs, run_ranks, take, windows, write_jsonl
 
 
-@pytest.mark.parametrize("case", ["shuffle", "mixture", "workers", "no-shuffle", "no-shared-parse"])
-def test_exact_resume_three_times(corpus, tmp_path, tok, case, monkeypatch):
+@pytest.mark.parametrize("case", ["shuffle", "mixture", "workers", "no-shuffle", "no-shared-parse", "sharded",
+                                  "sharded-workers"])
+def test_exact_resume_three_times(corpus, sharded, tmp_path, tok, case, monkeypatch):
+    corpus = sharded if case.startswith("sharded") else corpus  # streams read their own files
     sources, kw = [SourceConfig(path=str(corpus), weight=3)], {"shuffle_blocks": 4}
+    if case == "sharded-workers":
+        kw["num_workers"] = 2
     if case == "mixture":
         sources.append(SourceConfig(path=str(write_jsonl(tmp_path / "b.jsonl", make_docs(50, 7, "b")))))
     if case == "workers":
@@ -46,10 +50,11 @@ def test_iterating_again_continues(corpus, tok):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_world_size_change(corpus, tok, workers):
+@pytest.mark.parametrize("files", ["3 files", "8 files"])  # fewer shards than streams, and more
+def test_world_size_change(corpus, sharded, tok, workers, files):
     # Saved at 2 ranks (states merged), resumed at 1, then at 4: every global sequence g is the same
     # window as in the uninterrupted 2-rank run, so global batches match as sets and in order.
-    cfg = data_cfg(corpus, num_streams=4, num_workers=workers)
+    cfg = data_cfg(corpus if files == "3 files" else sharded, num_streams=4, num_workers=workers)
     ref, _ = run_ranks(cfg, tok, world=2, global_batch=8, n_global=9)
     a, state = run_ranks(cfg, tok, world=2, global_batch=8, n_global=3)
     b, state = run_ranks(cfg, tok, world=1, global_batch=8, n_global=3, state=state)
