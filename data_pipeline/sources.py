@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import re
-import weakref
 from pathlib import Path
 from typing import Iterator
 
@@ -74,7 +73,8 @@ class TextSource:
             raise DataError(f"data source {self.label!r} has sample_by={cfg.sample_by!r}: use one of "
                             + ", ".join(SAMPLE_BY))
         self._ds = None
-        self._shared = None  # shard -> _SharedShard being read in this process
+        self._shared = None  # shard -> _SharedShard, the shards read lately in this process
+        self._shared_pid = None  # that process (a forked worker starts its own)
         self.n_shards = self.open().n_shards
         if self.n_shards < 1:
             raise DataError(f"data source {self.label!r} has no shards: check the path or dataset name")
@@ -133,11 +133,15 @@ class TextSource:
         """(first row, Arrow table) of `shard`, in order. The streams of a process that read the same
         shard at about the same time share one parse of it (see _SharedShard). `parsed[0]` counts
         the rows this caller had parsed (not those it found already parsed by another stream)."""
-        if self._shared is None:
-            self._shared = weakref.WeakValueDictionary()
+        if self._shared is None or self._shared_pid != os.getpid():  # never a reader of another process
+            self._shared, self._shared_pid = {}, os.getpid()
         reader = self._shared.get(shard)
         if reader is None:
             reader = self._shared[shard] = _SharedShard(self, shard)
+            # Keep the readers of the shards read lately, up to SHARED_BYTES of tables in all, so a
+            # stream that comes to a shard after another stream has finished it still shares its parse.
+            while len(self._shared) > 1 and sum(r.bytes for r in self._shared.values()) > SHARED_BYTES:
+                del self._shared[next(iter(self._shared))]
         t = 0
         while True:
             before = reader.rows
@@ -188,6 +192,7 @@ class TextSource:
                     sample.append(text)
                     if sum(map(len, sample)) >= BINARY_SAMPLE:
                         break
+            self._shared = None  # the streams parse (and count) for themselves
             if sample:
                 _check_text("\n".join(sample), self._where(shard))
                 return
@@ -265,7 +270,7 @@ class _SharedShard:
             ds = ds.shard(num_shards=src.n_shards, index=shard)
         self._it = iter(ds.with_format("arrow").iter(batch_size=READ_ROWS))
         self._tables = {}  # table index -> (first row, table)
-        self._count, self.rows, self._bytes, self._done, self._error = 0, 0, 0, False, None
+        self._count, self.rows, self.bytes, self._done, self._error = 0, 0, 0, False, None
 
     def table(self, t: int):
         if self._error is not None:  # every stream reading this shard fails, none sees it end early
@@ -282,9 +287,9 @@ class _SharedShard:
             self._tables[self._count] = (self.rows, table)
             self._count += 1
             self.rows += table.num_rows  # parsed so far
-            self._bytes += table.nbytes
-            while self._bytes > SHARED_BYTES and len(self._tables) > 1:
-                self._bytes -= self._tables.pop(min(self._tables))[1].nbytes
+            self.bytes += table.nbytes
+            while self.bytes > SHARED_BYTES and len(self._tables) > 1:
+                self.bytes -= self._tables.pop(min(self._tables))[1].nbytes
         if t >= self._count:
             return None
         return self._tables.get(t, _EVICTED)

@@ -82,3 +82,20 @@ def test_each_stream_reads_only_its_own_shards(sharded, tok):
     assert seen == {0: {0, 4}, 1: {1, 5}, 2: {2, 6}, 3: {3, 7}}
     # its 2 files of 10 rows parsed once, nothing else; the last document is still being cut
     assert all(parsed == 20 and 19 <= docs <= 20 for docs, _, parsed in read.values()), read
+
+
+def test_a_small_source_is_parsed_once_per_process(tmp_path, tok):
+    """Fewer shards than streams, one reader: the streams share the parse of every shard even when
+    one comes to a shard after another has finished it, and a source under 64 MB of tables is then
+    served from memory in later epochs (no reader's tables are inherited by a forked worker)."""
+    for f in range(2):
+        write_jsonl(tmp_path / f"p{f}.jsonl", make_docs(150, seed=f))
+    cfg = data_cfg(tmp_path / "*.jsonl", num_streams=8, shuffle_blocks=16)
+    loader = build_loader(cfg, tok)
+    assert loader.plan.sources[0]._shared is None  # the check's reads are not kept for the workers
+    it = iter(loader)
+    for _ in range(300):
+        next(it)
+    stats = loader.stats()
+    assert max(int(st["epoch"]) for st in loader.state_dict()["streams"].values()) >= 2
+    assert stats["parsed_docs"] == 300 < stats["docs"] + stats["empty_docs"]
