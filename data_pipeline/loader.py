@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data_pipeline.config import DataConfig, SourceConfig
 from data_pipeline.errors import DataError
-from data_pipeline.sources import PreparedSource, _digest, _first_line, resolve_source
+from data_pipeline.sources import PreparedSource, TextSource, _digest, _first_line, resolve_source
 from data_pipeline.streams import Mixture, PreparedStream, TextStream
 from data_pipeline.tokenizer import eot_id, fork_safe, load_tokenizer, tokenizer_fingerprint
 
@@ -85,13 +85,15 @@ def _plan(sources: list[SourceConfig], data: DataConfig, tok, seed: int, shuffle
     for j, src in enumerate(resolved):
         if isinstance(src, PreparedSource):
             plan.stream(j, plan.num_streams - 1, None)  # fails now, not mid-run, if a stream gets no window
-    reads = ",".join("prepared" if isinstance(s, PreparedSource) else
-                     "shards" if s.n_shards >= plan.num_streams else "rows" for s in resolved)
+    # Sources that read whole shards order their documents otherwise than row striding did: a
+    # position saved before (or with fewer shards) is not theirs. Row-striding sources keep the old order.
+    whole = [j for j, s in enumerate(resolved) if isinstance(s, TextSource) and s.n_shards >= plan.num_streams]
+    reads = f" whole_shards={','.join(map(str, whole))}" if whole else ""
     fingerprint = {
         "sources": _digest([[s.fingerprint, w] for s, w in zip(resolved, weights)]),
         "tokenizer": tok_fp,
         "order": f"seq_len={plan.seq_len} seed={seed} shuffle_blocks={plan.shuffle_blocks} "
-                 f"shuffle_shards={plan.shuffle_shards} streams_read={reads}",
+                 f"shuffle_shards={plan.shuffle_shards}{reads}",
     }
     return plan, fingerprint
 
@@ -203,7 +205,9 @@ class TokenLoader:
         read = [st.get("read", [st["docs"], st["empty"], 0]) for st in self._states.values() if "docs" in st]
         sequences = [0] * len(self.plan.sources)
         for key, st in self._states.items():
-            sequences[int(key.split("/")[0])] += st.get("windows", 0)
+            j = int(key.split("/")[0])
+            if j < len(sequences):  # (a forced resume may have dropped sources)
+                sequences[j] += st.get("windows", 0)
         docs, empty, parsed = (sum(r[k] for r in read) for k in range(3))
         return {"docs": docs, "empty_docs": empty, "parsed_docs": parsed, "sequences": sequences}
 
@@ -270,6 +274,8 @@ class TokenLoader:
             if saved.get(key) != self.fingerprint[key] and not self.force_resume:
                 what = (f"({saved.get(key)} vs {self.fingerprint[key]})" if key == "order"
                         else f"(fingerprint {str(saved.get(key))[:12]} vs {self.fingerprint[key][:12]})")
+                if key == "order" and "whole_shards" in str(saved.get(key)) + self.fingerprint[key]:
+                    field += " or the sources whose streams read whole shards (whole_shards; before, all striped rows)"
                 raise DataError(f"the data state was saved with other {field} {what}: resume with the "
                                 "same data settings, or set data.force_resume=true to continue anyway")
         consumed = int(state["consumed"])

@@ -90,10 +90,10 @@ def _chunks(job: _Job, shard: int, counts: dict):
         yield batch
 
 
-def _write_shard(job: _Job, shard: int, pool=None, procs: int = 1) -> dict:
+def _write_shard(job: _Job, shard: int, pool=None, procs: int = 1, tick=None) -> dict:
     """Tokenize input shard `shard` into its token files and record; return the record. With a
     pool (of `procs` processes), the documents are read here and tokenized there, in order; else
-    tokenized here."""
+    tokenized here. `tick()` after each chunk written (the progress bar)."""
     counts = {"docs": 0, "empty_docs": 0}
     files, fh, in_file = [], None, 0
 
@@ -124,7 +124,7 @@ def _write_shard(job: _Job, shard: int, pool=None, procs: int = 1) -> dict:
             while len(tokens):
                 if fh is None:
                     name = f"tokens-{shard:05d}.bin" if not files else f"tokens-{shard:05d}-{len(files)}.bin"
-                    fh, in_file = open(job.dest / f"{name}.tmp", "wb"), 0
+                    fh, in_file = open(job.dest / f"{name}.{os.getpid()}.tmp", "wb"), 0
                     files.append({"file": name, "tokens": 0})
                 piece = tokens[:SHARD_TOKENS - in_file]
                 fh.write(piece.tobytes())
@@ -134,13 +134,15 @@ def _write_shard(job: _Job, shard: int, pool=None, procs: int = 1) -> dict:
                 if in_file == SHARD_TOKENS:
                     _close(fh, job.dest, files[-1]["file"])
                     fh = None
+            if tick is not None:
+                tick()
         if fh is not None:
             _close(fh, job.dest, files[-1]["file"])
             fh = None
     finally:
         if fh is not None:
             fh.close()
-    record = {"shard": shard, "files": files, **counts, **job.ident}
+    record = {"shard": shard, "files": files, **counts, **job.ident, "input": _input_stamp(job.src, shard)}
     _write_json(job.dest / PARTS / f"shard-{shard:05d}.json", record)
     return record
 
@@ -149,11 +151,11 @@ def _close(fh, dest: Path, name: str) -> None:
     fh.flush()
     os.fsync(fh.fileno())
     fh.close()
-    os.replace(dest / f"{name}.tmp", dest / name)
+    os.replace(dest / f"{name}.{os.getpid()}.tmp", dest / name)
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
 
@@ -171,12 +173,21 @@ def _record(job: _Job, shard: int) -> dict | None:
         record = json.loads((job.dest / PARTS / f"shard-{shard:05d}.json").read_text())
     except (OSError, ValueError):
         return None
-    if any(record.get(k) != v for k, v in job.ident.items()):
+    if any(record.get(k) != v for k, v in job.ident.items()) or record.get("input") != _input_stamp(job.src, shard):
         return None
     ok = all(os.path.exists(job.dest / f["file"]) and
              os.path.getsize(job.dest / f["file"]) == f["tokens"] * np.dtype(job.dtype).itemsize
              for f in record["files"])
     return record if ok else None
+
+
+def _input_stamp(src: TextSource, shard: int) -> list | None:
+    """A local shard's file size and modification time: a file changed since is prepared again
+    (the source fingerprint has names and sizes only, so that a copied data directory is the same)."""
+    if src.kind == "hub" or len(src.files) != src.n_shards:
+        return None
+    stat = os.stat(src.files[shard])
+    return [stat.st_size, stat.st_mtime_ns]
 
 
 def _progress_total(src: TextSource, shards: list[int]) -> tuple[int, str, list[int]]:
@@ -219,7 +230,7 @@ def _prepare_shards(job: _Job, shards: list[int], procs: int, tok_json: str, pro
         if procs == 1:
             _init(tok_json, counters)
             for k, size in zip(todo, sizes):
-                _write_shard(job, k)
+                _write_shard(job, k, tick=refresh)
                 refresh(size)
         elif len(todo) >= procs:  # whole shards in parallel: reading and parsing too
             with fork_safe():
@@ -241,7 +252,7 @@ def _prepare_shards(job: _Job, shards: list[int], procs: int, tok_json: str, pro
                 pool = mp.Pool(procs, initializer=_init, initargs=(tok_json, counters))
             try:
                 for k, size in zip(todo, sizes):
-                    _write_shard(job, k, pool, procs)
+                    _write_shard(job, k, pool, procs, tick=refresh)
                     refresh(size)
             finally:
                 pool.terminate()
@@ -266,6 +277,8 @@ def _merge(job: _Job, tok_spec: str, label: str) -> dict:
     for stale in job.dest.glob("tokens-*.bin"):  # from an earlier prepare of other data
         if stale.name not in listed:
             stale.unlink()
+    for stale in [*job.dest.glob("*.tmp"), *(job.dest / PARTS).glob("*.tmp")]:  # of killed processes
+        stale.unlink(missing_ok=True)
     meta = {
         "format": PREPARED_FORMAT, "tokenizer": tok_spec, "tokenizer_fingerprint": job.ident["tokenizer_fingerprint"],
         "eot_id": job.eot, "vocab_size": job.ident["vocab_size"], "dtype": np.dtype(job.dtype).name,
@@ -316,7 +329,8 @@ def prepare(data_cfg: DataConfig, out_dir: str | os.PathLike, num_proc: int = 0,
                 print(f"wrote {dest}: {meta['tokens']:,} tokens ({meta['dtype']}) from {meta['docs']:,} documents "
                       f"of {cfg.path} ({meta['empty_docs']:,} empty skipped), {len(meta['shards'])} files")
         except OSError as e:
-            raise DataError(f"could not write {dest} ({type(e).__name__}: {e}): check the path and free space") from None
+            raise DataError(f"could not prepare {cfg.path} into {dest} ({type(e).__name__}: {e}): check the "
+                            "input files, the output path and its free space") from None
         written.append(dest)
     if merge or num_tasks == 1:
         print(config_snippet(data_cfg, jobs))

@@ -1,7 +1,7 @@
 """Streams: independent, deterministic, resumable iterators of token windows.
 
-Every source is split into `num_streams` streams. A text stream owns whole shards (positions s, s+N,
-... of the epoch's shard order) when the source has at least N shards, so each shard is read once;
+Every source is split into `num_streams` streams. A text stream owns whole shards (every N-th of the
+shards of all epochs in order) when the source has at least N shards, so each shard is read once;
 else the documents at (shard position p, row i) with (p + i) % N == s. It packs its documents (each
 followed by the end-of-text token) and cuts windows of seq_len+1 tokens. Its position is a cursor
 (epoch, p, i, token offset) of the first token not yet emitted, so it resumes by reopening one shard,
@@ -63,9 +63,10 @@ class TextStream:
     (epoch, shard_pos, doc, offset, and the documents used, empty documents skipped and rows parsed
     before it), the block index and the windows already taken from the block.
 
-    Which documents are its own: with at least as many shards as streams (`owns_shards`), the shards
-    at positions s, s+N, s+2N, ... of the epoch's shard order, every row of them, so that each shard
-    is read by one stream only; with fewer shards, row (p, i) of every shard with (p + i) % N == s,
+    Which documents are its own: with at least as many shards as streams (`owns_shards`), whole
+    shards: number the shards of all epochs in order (position p of epoch e is e * n_shards + p) and
+    stream s takes those numbered s, s+N, s+2N, ...; each shard is read by one stream in an epoch,
+    and every stream gets one shard in N however many shards there are. With fewer shards, row (p, i) of every shard with (p + i) % N == s,
     so every stream reads every shard (and skips the others' rows)."""
 
     STATE = ("epoch", "shard_pos", "doc", "offset", "docs", "empty", "parsed")
@@ -116,16 +117,24 @@ class TextStream:
         n, length, src = self.n, self.length, self.src
         parsed = [nparsed]  # rows parsed for this stream, counted by the source as it reads
         parts, have = [], 0  # pending tokens (array views), not yet emitted, and how many
+        shards_dry = 0  # shards read since the last window (whole-shard streams)
         drop = (p, i, off)  # tokens of the first document already emitted before the cursor
         while True:
             fresh = p == 0 and i == 0 and off == 0  # a whole epoch read from its start
             epoch_tokens = 0
             order = shard_order(src.n_shards, self.seed, self.j, epoch, self.shuffle_shards)
-            if self.owns_shards:  # positions s, s+N, ...: whole shards
-                positions = range(p + (self.s - p) % n, src.n_shards, n)
+            if self.owns_shards:  # whole shards: position p of epoch e is number e * n_shards + p, this
+                # stream's if that is s mod N, so every stream gets one shard in N, over the epochs too
+                positions = range(p + (self.s - epoch * src.n_shards - p) % n, src.n_shards, n)
             else:
                 positions = range(p, src.n_shards)
             for pos in positions:
+                shards_dry += 1
+                if self.owns_shards and shards_dry > src.n_shards:
+                    raise DataError(
+                        f"data source {src.label!r}: stream {self.s} of {n} read {src.n_shards} of its shards in "
+                        f"a row (as many as the source has) without filling one window of seq_len+1={length} "
+                        "tokens: the corpus is too small; lower data.seq_len or data.num_streams, or add data")
                 start = i if pos == p else 0
                 step, phase = (1, 0) if self.owns_shards else (n, (self.s - pos) % n)
                 rows = src.docs(int(order[pos]), start, step, phase, parsed)
@@ -153,17 +162,16 @@ class TextStream:
                             o += take
                             w = np.concatenate(parts) if len(parts) > 1 else parts[0]
                             parts, have = [], 0
+                            shards_dry = 0
                             yield w, (epoch, pos, row, o, nd, ne, parsed[0])
                         if o < len(toks):
                             parts.append(toks[o:])
                             have += len(toks) - o
-            if fresh and epoch_tokens < length:
-                what = (f"{len(positions)} of the {src.n_shards} shards" if self.owns_shards
-                        else f"1/{n} of the documents")
+            if fresh and epoch_tokens < length and not self.owns_shards:  # (whole shards: checked above)
                 raise DataError(
                     f"data source {src.label!r}: stream {self.s} of {n} has {epoch_tokens} tokens in an "
-                    f"epoch, fewer than seq_len+1={length} (it reads {what}): the corpus is too small; lower "
-                    "data.seq_len or data.num_streams, split it into more documents (sample_by), or add data")
+                    f"epoch, fewer than seq_len+1={length}: the corpus is too small; lower data.seq_len or "
+                    "data.num_streams, split it into more documents (sample_by), or add data")
             epoch, p, i, off = epoch + 1, 0, 0, 0
 
 

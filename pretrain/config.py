@@ -234,10 +234,11 @@ def _choice(out: list[str], name: str, value, allowed: tuple) -> None:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (),
-                world_size: int | None = None) -> Config:
+                world_size: int | None = None, saved: bool = False) -> Config:
     """Build the Config from defaults, a YAML file and dotted overrides; raise ConfigError listing
-    every problem found."""
-    raw = _read_yaml(Path(path), set()) if path else {}
+    every problem found. `saved`: the file is a run's saved config.yaml, whose paths are already
+    absolute (or, written by an older version, relative to the working directory)."""
+    raw = _read_yaml(Path(path), set(), anchor=not saved) if path else {}
     errors: list[str] = []
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -265,6 +266,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
         errors = cfg.problems(world_size)
     if errors:
         raise ConfigError(errors)
+    cfg.train.run_dir = os.path.abspath(cfg.train.run_dir)  # the default too
     return cfg
 
 
@@ -277,7 +279,7 @@ def config_from_dict(raw: dict) -> Config:
     return cfg
 
 
-def _read_yaml(path: Path, seen: set) -> dict:
+def _read_yaml(path: Path, seen: set, anchor: bool = True) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     if path.resolve() in seen:
@@ -292,9 +294,10 @@ def _read_yaml(path: Path, seen: set) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     parent = data.pop("extends", None)
-    _anchor_paths(data, path.parent.absolute())
+    if anchor:
+        _anchor_paths(data, path.parent.absolute())
     if parent:
-        base = _read_yaml((path.parent / parent), seen)
+        base = _read_yaml(path.parent / os.path.expanduser(parent), seen, anchor)
         data = _deep_merge(base, data)
     return data
 
@@ -323,14 +326,15 @@ def _anchor_paths(raw: dict, base: Path) -> None:
     if isinstance(tok, str) and tok and not tok.startswith(("builtin:", "hub:")):
         data["tokenizer"] = local(tok)
     for key in ("sources", "validation"):
-        for src in data.get(key) or []:
+        items = data.get(key) or []
+        for src in [items] if isinstance(items, dict) else items:  # (one source may be a mapping)
             if not isinstance(src, dict) or not isinstance(src.get("path"), str) or not src["path"]:
                 continue
             path, kind = src["path"], src.get("kind", "auto")
-            if path.startswith("builtin:") or kind in ("hub", "builtin"):
+            if path.startswith("builtin:") or kind == "builtin":
                 continue
-            if kind != "auto" or not _looks_like_hub(path) or os.path.exists(local(path)):
-                src["path"] = local(path)
+            if os.path.exists(local(path)) or kind not in ("auto", "hub") or not _looks_like_hub(path):
+                src["path"] = local(path)  # (a hub-named directory that is here is read from here)
 
 
 def _deep_merge(base: dict, top: dict) -> dict:

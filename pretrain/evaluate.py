@@ -29,11 +29,12 @@ def _config(model_path: Path, is_hf: bool, config: str | None, overrides: list[s
     from pretrain.config import load_config
     from pretrain.errors import ConfigError
 
-    if config is None and not is_hf:
+    saved = config is None and not is_hf
+    if saved:
         config = str(model_path / "config.yaml")
     if config is None and data is None:
         raise ConfigError(f"{model_path} is a Hugging Face model: give a CONFIG with the data, or --data SOURCE")
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, saved=saved)
     if data is not None:
         cfg.data.validation = [SourceConfig(path=data)]
     elif not cfg.data.validation:

@@ -162,3 +162,12 @@ def test_a_run_starts_the_same_from_another_directory(tmp_path):
     run_train(["data.seq_len=32", "logging.wandb=disabled"], config=project / "run.yaml", cwd=tmp_path / "elsewhere")
     assert (project / "runs" / "r" / "checkpoints" / "step_00000002").is_dir()
     assert not (tmp_path / "elsewhere" / "runs").exists()
+
+
+def test_paths_of_a_single_source_mapping_and_of_a_saved_config(tmp_path, monkeypatch):
+    (tmp_path / "c.yaml").write_text("data: {sources: {path: data/x.jsonl}}\n")
+    monkeypatch.chdir(tmp_path.parent)
+    assert load_config(tmp_path / "c.yaml").data.sources[0].path == str(tmp_path / "data" / "x.jsonl")
+    # A run's saved config.yaml: its paths are kept as written (absolute now; older runs' relative
+    # to the working directory), not re-read against the checkpoint directory.
+    assert load_config(tmp_path / "c.yaml", saved=True).data.sources[0].path == "data/x.jsonl"

@@ -167,3 +167,17 @@ def test_a_killed_prepare_keeps_its_finished_shards(corpus, tmp_path, tok, capsy
 def test_bad_task_arguments(corpus, tmp_path):
     with pytest.raises(DataError, match="--task-index 3 --num-tasks 3"):
         prepare(data_cfg(corpus), tmp_path / "p", task_index=3, num_tasks=3)
+
+
+def test_an_input_changed_since_is_prepared_again(corpus, tmp_path, tok):
+    import os
+
+    cfg = data_cfg(corpus)
+    [out] = prepare(cfg, tmp_path / "prep", num_proc=1, progress=False)
+    first = corpus / "part-0.jsonl"
+    text = first.read_text()
+    first.write_text(text.replace("f0d0 ", "f0d9 ", 1))  # the same size, other content
+    os.utime(first, ns=(1, 10**18))
+    prepare(cfg, out, num_proc=1, progress=False)
+    docs = corpus_docs(corpus)
+    assert prepared_tokens(out) == doc_tokens(tok, docs) and not list(out.rglob("*.tmp"))

@@ -8,6 +8,7 @@ import pytest
 
 from data_pipeline import build_loader
 from data_pipeline.config import SourceConfig
+from data_pipeline.errors import DataError
 from dputil import data_cfg, make_docs, write_jsonl
 
 
@@ -91,7 +92,7 @@ def test_a_small_source_is_parsed_once_per_process(tmp_path, tok):
     for f in range(2):
         write_jsonl(tmp_path / f"p{f}.jsonl", make_docs(150, seed=f))
     cfg = data_cfg(tmp_path / "*.jsonl", num_streams=8, shuffle_blocks=16)
-    loader = build_loader(cfg, tok)
+    loader = build_loader(cfg, tok, 0, 1, 8)
     assert loader.plan.sources[0]._shared is None  # the check's reads are not kept for the workers
     it = iter(loader)
     for _ in range(300):
@@ -99,3 +100,41 @@ def test_a_small_source_is_parsed_once_per_process(tmp_path, tok):
     stats = loader.stats()
     assert max(int(st["epoch"]) for st in loader.state_dict()["streams"].values()) >= 2
     assert stats["parsed_docs"] == 300 < stats["docs"] + stats["empty_docs"]
+
+
+def test_whole_shards_are_dealt_evenly_over_epochs(tmp_path, tok):
+    """6 shards for 4 streams: numbering the shards of all epochs in order, each stream takes every
+    4th, so over 2 epochs each stream reads 3 shards and each shard is read once per epoch."""
+    for f in range(6):
+        write_jsonl(tmp_path / f"p{f}.jsonl", make_docs(10, seed=f, tag=f"f{f}d"))
+    plan = build_loader(data_cfg(tmp_path, num_streams=4, shuffle_blocks=1), tok).plan
+    read = {}
+    for s in range(4):
+        stream, seen = plan.stream(0, s, None), set()
+        while True:
+            _, state = stream.next()
+            if state["epoch"] >= 2:
+                break
+            seen.add((state["epoch"], state["shard_pos"]))
+        read[s] = seen
+    assert [len(v) for v in read.values()] == [3, 3, 3, 3]
+    for epoch in (0, 1):
+        positions = sorted(p for v in read.values() for e, p in v if e == epoch)
+        assert positions == list(range(6))
+
+
+def test_a_tiny_shard_does_not_stop_the_run(tmp_path, tok):
+    for f in range(8):
+        write_jsonl(tmp_path / f"p{f}.jsonl", make_docs(50, seed=f))
+    write_jsonl(tmp_path / "p8.jsonl", ["hi"])  # 9 shards for 8 streams, one of 2 tokens
+    loader = build_loader(data_cfg(tmp_path, num_streams=8, seq_len=32), tok, 0, 1, 8)
+    it = iter(loader)
+    for _ in range(60):  # several epochs
+        next(it)
+
+
+def test_a_source_too_small_for_one_window_is_one_line(tmp_path, tok):
+    for f in range(4):
+        write_jsonl(tmp_path / f"p{f}.jsonl", ["a few words"])
+    with pytest.raises(DataError, match=r"read 4 of its shards in a row .* without filling one window"):
+        next(iter(build_loader(data_cfg(tmp_path, num_streams=4, seq_len=64), tok)))
