@@ -66,8 +66,9 @@ class TextStream:
     Which documents are its own: with at least as many shards as streams (`owns_shards`), whole
     shards: number the shards of all epochs in order (position p of epoch e is e * n_shards + p) and
     stream s takes those numbered s, s+N, s+2N, ...; each shard is read by one stream in an epoch,
-    and every stream gets one shard in N however many shards there are. With fewer shards, row (p, i) of every shard with (p + i) % N == s,
-    so every stream reads every shard (and skips the others' rows)."""
+    and every stream gets one shard in N however many shards there are. With fewer shards, row
+    (p, i) of every shard with (p + i) % N == s, so every stream reads every shard (and skips the
+    others' rows)."""
 
     STATE = ("epoch", "shard_pos", "doc", "offset", "docs", "empty", "parsed")
 
@@ -130,11 +131,12 @@ class TextStream:
                 positions = range(p, src.n_shards)
             for pos in positions:
                 shards_dry += 1
-                if self.owns_shards and shards_dry > src.n_shards:
+                if self.owns_shards and shards_dry > src.n_shards * n:  # N epochs' worth of the source
                     raise DataError(
-                        f"data source {src.label!r}: stream {self.s} of {n} read {src.n_shards} of its shards in "
-                        f"a row (as many as the source has) without filling one window of seq_len+1={length} "
-                        "tokens: the corpus is too small; lower data.seq_len or data.num_streams, or add data")
+                        f"data source {src.label!r}: stream {self.s} of {n} read {src.n_shards * n} shards in a "
+                        f"row ({n} times the source's {src.n_shards}) without filling one window of "
+                        f"seq_len+1={length} tokens: the corpus is too small; lower data.seq_len or "
+                        "data.num_streams, or add data")
                 start = i if pos == p else 0
                 step, phase = (1, 0) if self.owns_shards else (n, (self.s - pos) % n)
                 rows = src.docs(int(order[pos]), start, step, phase, parsed)

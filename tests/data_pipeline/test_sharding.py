@@ -136,5 +136,5 @@ def test_a_tiny_shard_does_not_stop_the_run(tmp_path, tok):
 def test_a_source_too_small_for_one_window_is_one_line(tmp_path, tok):
     for f in range(4):
         write_jsonl(tmp_path / f"p{f}.jsonl", ["a few words"])
-    with pytest.raises(DataError, match=r"read 4 of its shards in a row .* without filling one window"):
-        next(iter(build_loader(data_cfg(tmp_path, num_streams=4, seq_len=64), tok)))
+    with pytest.raises(DataError, match=r"read 16 shards in a row \(4 times the source's 4\) without filling one window"):
+        next(iter(build_loader(data_cfg(tmp_path, num_streams=4, seq_len=256), tok)))
