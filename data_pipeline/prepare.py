@@ -61,8 +61,9 @@ def _init(tok_json: str, counters=None) -> None:
 
 def _encode(args: tuple) -> np.ndarray:
     texts, eot, dtype = args
-    arrays = encode_docs(_worker["tok"], texts, eot)
-    return np.concatenate(arrays).astype(dtype)
+    tokens = np.concatenate(encode_docs(_worker["tok"], texts, eot)).astype(dtype)
+    _count(sum(map(len, texts)), len(tokens))
+    return tokens
 
 
 def _count(chars: int, tokens: int) -> None:
@@ -100,24 +101,15 @@ def _write_shard(job: _Job, shard: int, pool=None, procs: int = 1, tick=None) ->
     def encoded():
         chunks = ((texts, job.eot, job.dtype) for texts in _chunks(job, shard, counts))
         if pool is None:
-            for args in chunks:
-                tokens = _encode(args)
-                _count(sum(map(len, args[0])), len(tokens))
-                yield tokens
+            yield from map(_encode, chunks)
             return
         pending = deque()  # at most 2 chunks per process in flight: Pool.imap would read ahead unbounded
         for args in chunks:
-            pending.append((sum(map(len, args[0])), pool.apply_async(_encode, (args,))))
+            pending.append(pool.apply_async(_encode, (args,)))
             if len(pending) >= 2 * procs:
-                chars, result = pending.popleft()
-                tokens = result.get()
-                _count(chars, len(tokens))
-                yield tokens
+                yield pending.popleft().get()
         while pending:
-            chars, result = pending.popleft()
-            tokens = result.get()
-            _count(chars, len(tokens))
-            yield tokens
+            yield pending.popleft().get()
 
     try:
         for tokens in encoded():

@@ -198,6 +198,7 @@ class PreparedStream:
         self.src, self.j, self.s, self.n, self.length, self.seed, self.shuffle = (
             src, j, s, n_streams, seq_len + 1, seed, shuffle)
         self.windows = src.n_tokens // self.length
+        self.per_epoch = len(range(s, self.windows, n_streams))  # this stream's windows in an epoch
         if self.windows <= s:
             raise DataError(
                 f"prepared source {src.label!r} has {src.n_tokens} tokens = {self.windows} windows of "
@@ -214,6 +215,5 @@ class PreparedStream:
         if self.shuffle:
             w = int(self.src.permutation((self.seed, self.j, self.epoch), self.windows)[pos])
         self.k += 1
-        per_epoch = len(range(self.s, self.windows, self.n))
         return self.src.window(w, self.length), {"epoch": self.epoch, "k": self.k,
-                                                 "windows": self.epoch * per_epoch + self.k}
+                                                 "windows": self.epoch * self.per_epoch + self.k}

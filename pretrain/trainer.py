@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import data_pipeline as dp
 from pretrain import distributed
 from pretrain.errors import UserError
 from pretrain.metrics import MetricLogger, memory_stats, peak_flops
@@ -62,6 +63,7 @@ class Trainer:
         self.lr = schedule(0)  # the rate of the latest step
         self.decay_end = None  # in a WSD-S decay branch: the step it ends at (the schedule decays to it)
         self.branches: dict[str, dict] = {}  # finished decay branches: str(end step) -> their results
+        self.source_names = dp.source_names(cfg.data.sources)  # data/tokens/NAME
         self.clip = cfg.optimizer.grad_clip if trainer_clips(cfg, precision) else 0.0  # else DeepSpeed clips
         self.grad_norm = None  # the latest global gradient norm, when the trainer computed it
         self._drop_update = False  # this step's update was dropped for a non-finite loss
@@ -310,16 +312,15 @@ class Trainer:
         """Since the start of the run, over all ranks (collective): the tokens drawn from each source,
         their shares of the total (the mixture actually trained on) when there are several, and the
         read amplification of the text sources (rows parsed by all readers / documents used)."""
-        import data_pipeline as dp
-
         stats = self.loader.stats()
+        names = self.source_names
         parsed, used, *sequences = distributed.sum_over_ranks(
             [stats["parsed_docs"], stats["docs"] + stats["empty_docs"], *stats["sequences"]])
         out = {}
         if used:
             out["data/read_amplification"] = parsed / used
         total = sum(sequences)
-        for name, n in zip(dp.source_names(self.cfg.data.sources), sequences):
+        for name, n in zip(names, sequences):
             out[f"data/tokens/{name}"] = n * self.cfg.data.seq_len
             if len(sequences) > 1 and total:
                 out[f"data/share/{name}"] = n / total
@@ -327,14 +328,12 @@ class Trainer:
 
     def _log_mixture(self, metrics: dict) -> None:
         """One line: the tokens drawn from each source against the configured weights."""
-        import data_pipeline as dp
-
         sources = self.cfg.data.sources
         total_weight = sum(s.weight for s in sources)
         parts = [f"{name} {metrics[f'data/tokens/{name}']:,}"
                  + (f" ({metrics[f'data/share/{name}']:.1%}, weight {src.weight / total_weight:.1%})"
                     if f"data/share/{name}" in metrics else "")
-                 for name, src in zip(dp.source_names(sources), sources)]
+                 for name, src in zip(self.source_names, sources)]
         amplification = metrics.get("data/read_amplification")
         log.info("data: tokens drawn since the start of the run: %s%s", ", ".join(parts),
                  f"; read amplification {amplification:.2f}" if amplification else "")
