@@ -37,6 +37,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -393,24 +394,37 @@ class CheckpointManager:
             # the first group's hyperparameters into every group (weight decay on norms and
             # embeddings), and it gives every group the SAME `step` tensor, which torch's AdamW then
             # increments once per group per step (wrong bias correction). Undo both.
+            # A third: it leaves `step` on the host, where fused AdamW on a GPU refuses it (capturable
+            # and fused AdamW keep it on the parameter's device).
             for group, saved in zip(groups, hyper):
                 group.update(saved)
-            for state in engine.optimizer.optimizer.state.values():
+            inner = engine.optimizer.optimizer
+            for param, state in inner.state.items():
                 if torch.is_tensor(state.get("step")):
-                    state["step"] = state["step"].clone()
+                    on_device = any(g.get("fused") or g.get("capturable") for g in inner.param_groups)
+                    state["step"] = state["step"].clone().to(param.device if on_device else "cpu")
 
     def _universal_dir(self, ckpt: Path) -> Path:
         """Convert `ckpt` to DeepSpeed's universal format (rank 0; cached), for another world size."""
         out = self.root / ".universal" / ckpt.name
-        problem = None
+        problem, proc = None, None
         if self.env.is_main and not (out / "done").is_file():
             shutil.rmtree(out, ignore_errors=True)
             out.parent.mkdir(parents=True, exist_ok=True)
             cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt),
                    "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1"]
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode != 0:
-                tail = (result.stderr or result.stdout).strip().splitlines()[-1:]
+            output = tempfile.TemporaryFile("w+")  # not a pipe: a full one would stall the converter
+            proc = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, text=True)
+        # A 7B conversion can take longer than a collective timeout: the other ranks do not wait in
+        # one collective for it, they meet rank 0 every few seconds until it is done.
+        while distributed.agree_max([int(proc is not None and proc.poll() is None)])[0]:
+            time.sleep(2)
+        if proc is not None:
+            proc.wait()
+            output.seek(0)
+            tail = output.read().strip().splitlines()[-1:]
+            output.close()
+            if proc.returncode != 0:
                 problem = f"could not convert {ckpt} for world size {self.env.world_size}: {tail}"
             else:
                 (out / "done").write_text("ok")
@@ -613,7 +627,6 @@ def load_weights(model: torch.nn.Module, ckpt: Path, env: distributed.Dist, zero
     if problem:
         raise collective(CheckpointError(problem))
     import deepspeed
-    import torch.distributed as dist
 
     for name, param in model.named_parameters():
         if zero3:
@@ -623,8 +636,7 @@ def load_weights(model: torch.nn.Module, ckpt: Path, env: distributed.Dist, zero
         else:
             if env.is_main:
                 param.data.copy_(state[name])
-            if env.world_size > 1:
-                dist.broadcast(param.data, src=0)
+            distributed.broadcast_host(param.data)  # still on the host: DeepSpeed moves it later
 
 
 def _mismatch(model: torch.nn.Module, state, source: Path) -> str | None:

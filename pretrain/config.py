@@ -100,6 +100,7 @@ class DistributedConfig:
     prefetch_bucket_size: int = 0  # ZeRO-3: elements of parameters gathered ahead (0 = 0.9 x model.dim^2)
     overlap_comm: bool = True  # overlap gradient reduction with backward
     offload_optimizer: bool = False  # ZeRO optimizer state on CPU memory
+    grad_dtype: str = "fp32"  # bf16/fp16 runs: dtype gradients accumulate over micro-batches and reduce across ranks in: fp32 | bf16 (half the traffic, inexact; docs/performance.md)
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU (0 = from the device type)
 
 
@@ -150,6 +151,7 @@ class Config:
         _choice(out, "logging.wandb", self.logging.wandb, ("auto", "online", "offline", "disabled"))
         _choice(out, "distributed.backend", self.distributed.backend, ("auto", "nccl", "gloo"))
         _choice(out, "distributed.zero_stage", self.distributed.zero_stage, (0, 1, 2, 3))
+        _choice(out, "distributed.grad_dtype", self.distributed.grad_dtype, ("fp32", "bf16"))
         if t.activation_checkpointing < 0:
             out.append("train.activation_checkpointing must be 0 (off), 1 (every block) or n (every n-th)")
         if s.warmup_steps < 0 or s.decay_steps < 0:

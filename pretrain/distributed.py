@@ -1,6 +1,14 @@
-"""Process-group set-up from the launcher's environment: torchrun, accelerate launch, the deepspeed
-launcher and srun all set RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT; a bare `srun` sets
-SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, which we translate."""
+"""Process-group set-up from the launcher's environment, and the one owner of collectives.
+
+torchrun, accelerate launch, the deepspeed launcher and srun all set RANK/WORLD_SIZE/LOCAL_RANK/
+MASTER_ADDR/MASTER_PORT; a bare `srun` sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, which we translate.
+
+Every collective of ours goes through this module (tests/test_distributed.py fails on a
+`torch.distributed` collective called anywhere else), because NCCL takes device tensors only: host
+values (flags, counts, sums, objects, signals, barriers) go over a gloo group, device tensors over
+the default group. On CPU both are gloo, so a host tensor sent over the default group would pass
+every CPU test and crash on the first multi-GPU run; `all_reduce` refuses one on any machine.
+"""
 
 from __future__ import annotations
 
@@ -43,6 +51,21 @@ def _env_from_slurm() -> None:
     os.environ.setdefault("MASTER_PORT", str(15000 + int(os.environ.get("SLURM_JOB_ID", 0)) % 15000))
 
 
+def _device_index(local_rank: int, visible: int) -> int:
+    """This rank's GPU among the visible ones. A launcher that gives each process all of a node's GPUs
+    (torchrun, srun --gpus-per-node) numbers them by LOCAL_RANK; `srun --gpus-per-task=1` shows each
+    task one GPU, index 0, while LOCAL_RANK (SLURM_LOCALID) still counts 0..n-1."""
+    if local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    from pretrain.errors import ConfigError
+
+    raise ConfigError(f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs "
+                      f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give each "
+                      "process all of the node's GPUs or exactly one")
+
+
 def init(backend: str = "auto") -> Dist:
     """Join (or, alone, create) the process group with `backend` (distributed.backend: auto = nccl
     on CUDA, gloo on CPU) and pick this rank's device."""
@@ -53,8 +76,8 @@ def init(backend: str = "auto") -> Dist:
     _env_from_slurm()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", _device_index(local_rank, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
         keep_freed_memory()
@@ -72,6 +95,8 @@ def init(backend: str = "auto") -> Dist:
         backend = "nccl" if device.type == "cuda" else "gloo"
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     global _CPU_GROUP, _CHECKPOINT_GROUP
+    global _DEVICE_TYPE
+    _DEVICE_TYPE = device.type
     if dist.get_world_size() > 1:
         # Host-to-host agreement (stop signals) without touching a GPU: a gloo group beside nccl.
         _CPU_GROUP = dist.new_group(backend="gloo") if backend != "gloo" else None
@@ -81,11 +106,39 @@ def init(backend: str = "auto") -> Dist:
 
 
 _CPU_GROUP = _CHECKPOINT_GROUP = None
+_DEVICE_TYPE = "cpu"  # the device type of the default group's tensors
 
 
 def cpu_group():
     """A process group for CPU tensors: a gloo group when the default one is nccl, else the default."""
     return _CPU_GROUP
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Sum (or max) a tensor on this rank's device over all ranks, in place, on the default group
+    (NCCL on GPUs): for values that are already on the device (losses, eval sums), read later."""
+    if tensor.device.type != _DEVICE_TYPE:
+        raise RuntimeError(f"distributed.all_reduce takes {_DEVICE_TYPE} tensors, got one on {tensor.device}: "
+                           "send host values with host_sum/agree_max")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return tensor
+
+
+def host_sum(values: list[float]) -> list[float]:
+    """Element-wise float64 sum over all ranks, host to host (the CPU group)."""
+    sums = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums, group=cpu_group())
+    return sums.tolist()
+
+
+def broadcast_host(tensor: torch.Tensor, src: int = 0) -> None:
+    """Rank `src`'s values into `tensor` (a host tensor) on every rank, over the CPU group."""
+    if tensor.device.type != "cpu":
+        raise RuntimeError(f"distributed.broadcast_host takes host tensors, got one on {tensor.device}")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(tensor, src=src, group=cpu_group())
 
 
 def agree_max(values: list[int]) -> list[int]:
@@ -138,7 +191,9 @@ def _free_port() -> int:
 
 
 def all_gather_objects(obj, group=None) -> list:
-    """Every rank's `obj`, in rank order (a list of one outside a process group)."""
+    """Every rank's `obj`, in rank order (a list of one outside a process group); over `group`, by
+    default the CPU group."""
+    group = group or cpu_group()
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [obj]
     out = [None] * dist.get_world_size(group)
@@ -147,7 +202,8 @@ def all_gather_objects(obj, group=None) -> list:
 
 
 def broadcast_object(obj, src: int = 0, group=None):
-    """Rank `src`'s `obj` (`src` is the rank within `group`)."""
+    """Rank `src`'s `obj` (`src` is the rank within `group`, by default the CPU group)."""
+    group = group or cpu_group()
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return obj
     box = [obj]
@@ -208,7 +264,7 @@ def on_main(fn, *args, **kwargs):
 
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        dist.barrier(group=cpu_group())
 
 
 def shutdown() -> None:

@@ -45,9 +45,8 @@ def _config(model_path: Path, is_hf: bool, config: str | None, overrides: list[s
 
 def evaluate(model, tokenizer, cfg, env, batches: int = 0, micro_batch_size: int = 0) -> dict:
     """{"loss", "perplexity", "bits_per_byte", "tokens", "bytes", "sequences"} over this world."""
-    import torch.distributed as dist
-
     import data_pipeline as dp
+    from pretrain import distributed
 
     sequences = batches * cfg.global_batch(env.world_size) if batches else 0
     windows = dp.evaluation_windows(cfg.data, tokenizer, env.rank, env.world_size, sequences)
@@ -73,9 +72,7 @@ def evaluate(model, tokenizer, cfg, env, batches: int = 0, micro_batch_size: int
             sums[2] += sum(len(tokenizer.decode(row.tolist(), skip_special_tokens=False).encode("utf-8"))
                            for row in labels.cpu())
             sums[3] += len(rows)
-    if dist.is_initialized() and env.world_size > 1:
-        dist.all_reduce(sums)
-    loss_sum, tokens, n_bytes, n_seq = sums.tolist()
+    loss_sum, tokens, n_bytes, n_seq = distributed.host_sum(sums.tolist())
     if not tokens:
         from pretrain.errors import UserError
 

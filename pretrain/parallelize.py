@@ -15,6 +15,10 @@ from pretrain.optim import build_optimizer
 
 
 def resolve_precision(cfg: Config, device: torch.device) -> str:
+    if cfg.train.precision == "fp16" and device.type != "cuda":
+        from pretrain.errors import ConfigError
+
+        raise ConfigError("train.precision=fp16 needs CUDA GPUs (DeepSpeed has no fp16 on CPU): use bf16 or fp32")
     if cfg.train.precision != "auto":
         return cfg.train.precision
     return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
@@ -39,11 +43,22 @@ def trainer_clips(cfg: Config, precision: str) -> bool:
     return cfg.distributed.zero_stage == 0 and precision == "fp32"
 
 
+def engine_zero_stage(cfg: Config, precision: str) -> int:
+    """The ZeRO stage the engine runs: the configured one, except that bf16 at stage 0 runs as stage
+    1. DeepSpeed's stage-0 bf16 path (FP16_UnfusedOptimizer) accumulates gradients in bf16 and checks
+    every parameter for overflow on the host: 44 host syncs per step (bench/bench_host_syncs.py).
+    Stage 1 is DeepSpeed's bf16 optimizer: fp32 gradient accumulation, 2 syncs; on one device it
+    shards nothing, on several it shards the optimizer state (less memory, the same traffic)."""
+    stage = cfg.distributed.zero_stage
+    return 1 if stage == 0 and precision == "bf16" else stage
+
+
 def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict:
     """The DeepSpeed JSON for this run, from our config: no "auto" values, nothing left to defaults
     that matter (DeepSpeed's gradient_clipping default is 1.0, so it is always written)."""
     d, sizes = cfg.distributed, zero_sizes(cfg)
-    zero: dict = {"stage": d.zero_stage, "overlap_comm": d.overlap_comm, "contiguous_gradients": True,
+    zero: dict = {"stage": engine_zero_stage(cfg, precision), "overlap_comm": d.overlap_comm,
+                  "contiguous_gradients": True,
                   "reduce_bucket_size": sizes["reduce_bucket_size"]}
     if d.zero_stage == 3:
         zero.update(stage3_param_persistence_threshold=sizes["param_persistence_threshold"],
@@ -58,6 +73,8 @@ def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict:
         "gradient_clipping": 0.0 if trainer_clips(cfg, precision) else cfg.optimizer.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
+        **({"data_types": {"grad_accum_dtype": d.grad_dtype}, "communication_data_type": d.grad_dtype}
+           if precision == "bf16" else {}),
         "fp16": {"enabled": precision == "fp16", "initial_scale_power": 16},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**12,  # we log ourselves
@@ -93,6 +110,7 @@ def build_model(args: ModelArgs, cfg: Config, ds_config: dict, seed: int) -> Tra
     if cfg.distributed.zero_stage == 3:
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = Transformer(args)
+        model.reset_rope_table()  # zero.Init built it in bf16 (its patched constructors)
         model.init_weights(gather=lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0))
     else:
         model = Transformer(args)
@@ -108,4 +126,17 @@ def build_engine(model: Transformer, cfg: Config, ds_config: dict, device: torch
 
     optimizer = build_optimizer(model, cfg.optimizer, device)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    check_rope_table(engine.module)
     return engine
+
+
+def check_rope_table(model: Transformer) -> None:
+    """The table the engine trains with must be the fp32 one that eval, generate and the HF export
+    rebuild from the weights, or they would run another model than the one trained. DeepSpeed has
+    cast and built it in bf16 before (zero.Init's constructors, engine-level casts), so it is checked
+    where training starts, not trusted."""
+    table, expected = model.freqs_cis, model.rope_table(model.freqs_cis.device)
+    if table.dtype != torch.float32 or not torch.equal(table, expected):
+        error = (table.float() - expected).abs().max().item()
+        raise RuntimeError(f"the RoPE table the engine holds is {table.dtype}, off the fp32 table by up to "
+                           f"{error:.3g}: positions would be wrong")

@@ -14,7 +14,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 import data_pipeline as dp
 from pretrain import distributed
@@ -56,6 +55,8 @@ class Trainer:
         self.step = 0  # optimizer steps done
         self.skipped = 0  # steps whose update was dropped (non-finite loss or gradient norm)
         self.skipped_in_a_row = 0
+        self.loss_scale_skips = 0  # fp16: steps DeepSpeed dropped to lower the loss scale (not failures)
+        self.fp16 = precision == "fp16"
         self.saved_step = -1  # step of the newest checkpoint of this run (no second save of a step)
         self.data_iter = None  # made in fit(), after a resume has positioned the loader
         self.timers = dict.fromkeys(("data", "compute"), 0.0)
@@ -74,10 +75,12 @@ class Trainer:
 
     # -- state that survives a restart
     def state_dict(self) -> dict:
-        return {"step": self.step, "skipped": self.skipped, "branches": self.branches}
+        return {"step": self.step, "skipped": self.skipped, "branches": self.branches,
+                "loss_scale_skips": self.loss_scale_skips}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.skipped = state["step"], state.get("skipped", 0)
+        self.loss_scale_skips = state.get("loss_scale_skips", 0)
         self.branches = dict(state.get("branches", {}))
         self.saved_step = self.step
 
@@ -104,7 +107,7 @@ class Trainer:
             if bad:
                 self._nonfinite(f"loss is {loss_sum / (self.accum * self.env.world_size)}")  # stop: raises
                 return None
-            if not math.isfinite(norm_value):
+            if not math.isfinite(norm_value) or norm_value < 0:  # DeepSpeed masks a NaN/Inf group norm to -1
                 self._grad_nonfinite = True
                 return None
             if self.clip and params:  # (it takes the parameters, and scales their .grad)
@@ -146,7 +149,7 @@ class Trainer:
             losses[i] = loss.detach()
             if i == self.accum - 1:  # queued on the device; read by _read_stats
                 self._stats = torch.stack([losses.sum(), (~torch.isfinite(losses)).sum().float()])
-                dist.all_reduce(self._stats)
+                distributed.all_reduce(self._stats)
             # Backward runs even for a bad micro-batch: ZeRO's backward and step are collective and
             # expect gradients; the update itself is dropped by _guarded.
             self.engine.backward(loss)
@@ -157,6 +160,12 @@ class Trainer:
             self._nonfinite(f"loss is {loss_sum / (self.accum * self.env.world_size)}")
         # The gradient norm was not finite: our guard or DeepSpeed's own overflow check dropped the update.
         grad_bad = self._grad_nonfinite or not self.engine.was_step_applied()
+        if grad_bad and self.fp16 and not self._grad_nonfinite and not bad:
+            # fp16's dynamic loss scaling: an overflow of the scaled gradients drops the update and halves
+            # the scale, as designed (every run starts too high, at 2^16). DeepSpeed checks before the
+            # update, so our guard never saw the step; it is not a non-finite step.
+            self.loss_scale_skips += 1
+            grad_bad = False
         if grad_bad and not self._drop_update:
             self._nonfinite(f"gradient norm is {self._norm()}", after_step=True)
         self.step += 1
@@ -174,6 +183,10 @@ class Trainer:
         else:
             self.skipped_in_a_row = 0
         return loss_sum / (self.accum * self.env.world_size)
+
+    def _loss_scale(self) -> float:
+        opt = self.engine.optimizer
+        return float(getattr(opt, "cur_scale", None) or getattr(opt, "loss_scale", 0.0))
 
     def _norm(self) -> float:
         """The latest step's global gradient norm before clipping (a host sync: read when logging)."""
@@ -199,7 +212,7 @@ class Trainer:
             inputs, labels = batch["input_ids"].to(self.env.device), batch["labels"].to(self.env.device)
             sums[0] += self.engine(inputs, labels, loss_chunk=self.cfg.train.loss_chunk_tokens) * labels.numel()
             sums[1] += labels.numel()
-        dist.all_reduce(sums)
+        distributed.all_reduce(sums)
         self.engine.train()
         loss = (sums[0] / sums[1]).item()
         return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
@@ -355,6 +368,8 @@ class Trainer:
             "train/lr": self.lr,
             "train/grad_norm": self._norm(),
             "train/skipped_steps": self.skipped,
+            **({"train/loss_scale_skips": self.loss_scale_skips, "train/loss_scale": self._loss_scale()}
+               if self.fp16 else {}),
             "perf/step_time_s": elapsed / steps,
             "perf/tokens_per_s": tokens_per_s,
             "perf/tokens_per_s_per_device": per_device,

@@ -218,19 +218,26 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Non-persistent: derived from args, so checkpoints hold weights only.
-        self.register_buffer("freqs_cis", self._rope_table(), persistent=False)
+        self.register_buffer("freqs_cis", self.rope_table(), persistent=False)
 
-    def _rope_table(self, device: torch.device | str | None = None) -> torch.Tensor:
+    def rope_table(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """This model's RoPE table, fp32: (max_seq_len, head_dim / 2, 2)."""
         a = self.args
         scaling = (a.rope_scaling_factor, a.rope_low_freq_factor, a.rope_high_freq_factor,
                    a.rope_original_max_seq_len) if a.rope_scaling_factor else None
         return precompute_freqs_cis(a.head_dim, a.max_seq_len, a.rope_theta, scaling).to(device)
 
+    def reset_rope_table(self) -> None:
+        """Rebuild the table in fp32 on the device it is on. bf16 would round positions past 256 to
+        multiples of 8 and more; whoever builds the model under something that changes dtypes
+        behind its back (deepspeed.zero.Init patches tensor constructors so that even an explicit
+        float32 arange comes out bf16) calls this afterwards."""
+        self.freqs_cis = self.rope_table(self.freqs_cis.device)
+
     def _apply(self, fn, recurse=True):
-        # model.to(bf16) / .half() would round the RoPE table and cost bf16 training its accuracy
-        # at long positions; rebuild it in fp32 on whatever device the buffers went to.
+        # model.to(bf16) / .half() would round the RoPE table too: rebuild it after any cast or move.
         super()._apply(fn, recurse)
-        self.freqs_cis = self._rope_table(self.freqs_cis.device)
+        self.reset_rope_table()
         return self
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, cache: KVCache | None = None,

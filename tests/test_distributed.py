@@ -1,0 +1,78 @@
+"""One module owns collectives: host values over the gloo group, device tensors over the default one."""
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain import distributed
+
+REPO = Path(__file__).resolve().parents[1]
+COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object",
+               "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list", "reduce",
+               "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
+               "monitored_barrier", "send", "recv", "isend", "irecv"}
+
+
+def _direct_collectives(path: Path) -> list[str]:
+    """Calls of torch.distributed collectives in a file: `dist.X(...)` where dist is an alias of
+    torch.distributed, `torch.distributed.X(...)`, or X imported from torch.distributed."""
+    tree = ast.parse(path.read_text())
+    aliases, names = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname or a.name for a in node.names if a.name == "torch.distributed"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+            names |= {a.asname or a.name for a in node.names if a.name in COLLECTIVES}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+            aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id in names:
+            found.append(f"{path.name}:{node.lineno} {f.id}")
+        elif isinstance(f, ast.Attribute) and f.attr in COLLECTIVES:
+            owner = ast.unparse(f.value)
+            if owner in aliases or owner == "torch.distributed":
+                found.append(f"{path.name}:{node.lineno} {owner}.{f.attr}")
+    return found
+
+
+def test_no_module_but_distributed_calls_a_collective():
+    files = [p for d in ("pretrain", "data_pipeline", "bench") for p in (REPO / d).rglob("*.py")]
+    owner = REPO / "pretrain" / "distributed.py"
+    assert owner in files and _direct_collectives(owner), "the scan finds nothing: it is broken"
+    offenders = [hit for p in files if p != owner for hit in _direct_collectives(p)]
+    assert offenders == [], offenders
+
+
+def test_the_scan_sees_every_spelling(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("import torch.distributed as dist\nimport torch\nfrom torch.distributed import broadcast\n"
+                      "from torch import distributed as d2\n"
+                      "dist.all_reduce(x)\ntorch.distributed.barrier()\nbroadcast(t, 0)\nd2.all_gather_object(o, x)\n"
+                      "dist.get_rank()\n")
+    assert len(_direct_collectives(sample)) == 4
+
+
+def test_device_all_reduce_refuses_host_tensors_on_gpu_runs(monkeypatch):
+    """On NCCL a host tensor crashes ("No backend type associated with device type cpu"): the
+    device all-reduce refuses one wherever the default group's tensors live elsewhere."""
+    monkeypatch.setattr(distributed, "_DEVICE_TYPE", "cuda")
+    with pytest.raises(RuntimeError, match="takes cuda tensors"):
+        distributed.all_reduce(torch.zeros(2))
+    monkeypatch.setattr(distributed, "_DEVICE_TYPE", "cpu")
+    assert torch.equal(distributed.all_reduce(torch.ones(2)), torch.ones(2))  # alone: unchanged
+    assert distributed.host_sum([1.5, 2.0]) == [1.5, 2.0]
+
+
+def test_local_rank_maps_onto_the_visible_gpus():
+    assert [distributed._device_index(r, 8) for r in (0, 3, 7)] == [0, 3, 7]  # torchrun: all GPUs each
+    assert distributed._device_index(3, 1) == 0  # srun --gpus-per-task=1: one GPU, index 0
+    from pretrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="LOCAL_RANK=5 but this process sees 4 GPUs"):
+        distributed._device_index(5, 4)
