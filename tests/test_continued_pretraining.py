@@ -67,7 +67,7 @@ def one_error_line(proc) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("tied", [True], ids=["tied"])  # untied: the transformers 4 test below
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_hf_in_zero3_at_two_ranks_then_export_is_lossless(tmp_path, tied):
     """A sharded HF model -> `checkpoint.init_from` into a ZeRO-3 model at 2 ranks -> one step at
     lr 0 -> our checkpoint -> export: the same tensors, bit for bit."""

@@ -12,10 +12,9 @@ from pretrain.export import export, load_for_inference
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=[3], ids=["zero3"])
+@pytest.fixture(scope="module", params=[0, 3], ids=["zero0", "zero3"])
 def checkpoint(tmp_path_factory, request):
-    """A 2-rank partitioned checkpoint (ZeRO-3, DeepSpeed's consolidation). A whole one (stage 0) is
-    exported and scored in tests/test_continued_pretraining.py."""
+    """A 2-rank checkpoint: whole (ZeRO stage 0) or partitioned (ZeRO-3, DeepSpeed's consolidation)."""
     run = tmp_path_factory.mktemp("run")
     run_train(["data.seq_len=64", "train.micro_batch_size=4", "train.max_steps=3", "logging.wandb=disabled",
                "model.tie_embeddings=true", f"distributed.zero_stage={request.param}", f"train.run_dir={run}"],

@@ -174,14 +174,15 @@ def test_zero_stage_0_trains_like_zero_3_with_clipping(tmp_path):
         assert losses(runs[0])[step] == pytest.approx(loss, rel=1e-5), step
 
 
-@pytest.mark.parametrize("stage", [3])  # (stage 0, configs/tiny.yaml's, is compiled by bench/bench_step.py --ab)
-def test_compile_trains_to_the_same_losses(tmp_path, stage):
+@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (3, "fp32"), (3, "bf16")])
+def test_compile_trains_to_the_same_losses(tmp_path, stage, precision):
     """train.compile=true really compiles (DeepSpeed's engine.compile(): torch.compile of the model,
     ZeRO-3's hooks outside the graphs) and trains to the eager losses within 1e-3."""
     runs = {}
     for compiled in (False, True):
         runs[compiled] = tmp_path / f"compile{compiled}"
         proc = run_train(SMALL + [f"distributed.zero_stage={stage}", "train.max_steps=4", "train.activation_checkpointing=1",
+                                  f"train.precision={precision}",
                                   f"train.compile={str(compiled).lower()}", f"train.run_dir={runs[compiled]}"])
     eager, compiled = losses(runs[False]), losses(runs[True])
     assert sorted(compiled) == [1, 2, 3, 4]
