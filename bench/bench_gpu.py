@@ -10,9 +10,11 @@ For each preset, activation checkpointing off and on (every block), compile off 
   the chunked loss), on a synthetic prepared token source written here (random ids; no tokenizing);
 - plain: the same model in a textbook loop: bf16 autocast over fp32 weights, fused AdamW, clipping;
 - hf: transformers' LlamaForCausalLM of the same shape (SDPA attention), the same loop.
-The three alternate within each configuration. MFU = tokens/s x the PaLM FLOPs per token / peak
-(989e12, H100/H200 bf16 dense). Vocabulary 32,000 (the presets' own). Prints a table; --json
-writes every figure. Needs deepspeed (and no datasets, wandb): see docs/performance.md.
+The three alternate within each configuration. MFU = tokens/s x the PaLM FLOPs per token / peak,
+the bf16 dense peak of the GPU by its name (pretrain/metrics.py; --peak-flops for one not listed,
+else no MFU). Vocabulary 32,000 (the presets' own). The trainer's runs save no checkpoint at the
+end (17 GB for 1b, nothing the bench reads). Prints a table; --json writes every figure. Needs
+deepspeed (and no datasets, wandb): see docs/performance.md.
 """
 
 from __future__ import annotations
@@ -28,9 +30,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PEAK = 989e12
 VOCAB = 32000
 MICRO = {"tiny": 4, "125m": 16, "350m": 8, "1b": 4}  # sequences per micro-batch at seq 2048
+# `pretrain train` without its save at the end of the run: the trainer has no setting for that, and
+# the bench only reads metrics.jsonl.
+TRAIN_WITHOUT_FINAL_SAVE = ("import sys; from pretrain.trainer import Trainer; "
+                            "Trainer.save = lambda self, wait=False: None; "
+                            "from pretrain.cli import main; sys.exit(main())")
 
 
 def synthetic_source(out: Path, tokens: int) -> Path:
@@ -55,7 +61,7 @@ def synthetic_source(out: Path, tokens: int) -> Path:
 
 def run_trainer(a, preset: str, micro: int, ac: int, compile_: bool, data: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pretrain", "train", str(REPO / "configs" / "tiny.yaml"),
+        cmd = [sys.executable, "-c", TRAIN_WITHOUT_FINAL_SAVE, "train", str(REPO / "configs" / "tiny.yaml"),
                f"model.preset={preset}", f"model.vocab_size={VOCAB}", f"model.max_seq_len={a.seq_len}",
                f"data.sources=[{{path: {data}, kind: prepared}}]", "data.validation=[]", f"data.seq_len={a.seq_len}",
                "data.num_streams=1", f"train.micro_batch_size={micro}", f"train.max_steps={a.steps}",
@@ -136,6 +142,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10, help="untimed steps (compilation); --steps a multiple of it")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--peak-flops", type=float, default=0.0,
+                   help="peak FLOP/s of the GPU for MFU (default: by its name, for bf16 dense)")
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--loop", help=argparse.SUPPRESS)  # child process: "plain|hf preset micro ac compile"
     a = p.parse_args()
@@ -143,9 +151,13 @@ def main() -> None:
         kind, preset, micro, ac, comp = a.loop.split()
         print(json.dumps(run_loop(a, preset, int(micro), int(ac), comp == "1", kind == "hf")))
         return
+    from pretrain.metrics import peak_flops_for
     from pretrain.model.args import PRESETS, ModelArgs
     from pretrain.model.model import flops_per_token
 
+    peak = a.peak_flops or peak_flops_for(_gpu_name(a.device), "bf16")
+    if not peak:
+        print(f"no peak FLOP/s known for {_gpu_name(a.device)}: MFU left out (give --peak-flops)", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for preset in a.presets.split(","):
@@ -166,8 +178,8 @@ def main() -> None:
                                                   cwd=REPO, capture_output=True, text=True)
                             got = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else \
                                 {"error": proc.stderr.strip().splitlines()[-1:]}
-                        if "tokens_per_s" in got:
-                            got["mfu"] = got["tokens_per_s"] * fpt / PEAK
+                        if "tokens_per_s" in got and peak:
+                            got["mfu"] = got["tokens_per_s"] * fpt / peak
                         row[kind] = got
                     results.append(row)
                     print(_line(row), flush=True)
@@ -176,7 +188,7 @@ def main() -> None:
     for r in results:
         print(_line(r))
     if a.json:
-        Path(a.json).write_text(json.dumps({"results": results, "peak_flops": PEAK, "vocab": VOCAB,
+        Path(a.json).write_text(json.dumps({"results": results, "peak_flops": peak, "vocab": VOCAB,
                                             "device": _device(a.device)}, indent=1))
 
 
@@ -190,11 +202,16 @@ def _line(r: dict) -> str:
             f"{f('hf', 'tokens_per_s', '{:,.0f}')} | {f('hf', 'mfu', '{:.1%}')} |")
 
 
+def _gpu_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else "cpu"
+
+
 def _device(device: str) -> str:
     import torch
 
-    name = torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else "cpu"
-    return f"{name}, torch {torch.__version__}, {os.cpu_count()} CPU cores"
+    return f"{_gpu_name(device)}, torch {torch.__version__}, {os.cpu_count()} CPU cores"
 
 
 if __name__ == "__main__":

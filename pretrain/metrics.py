@@ -18,12 +18,39 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Dense peak FLOP/s per device for the training precision (no sparsity).
+
+def _dense(half: float, fp32: float) -> dict[str, float]:
+    return {"bf16": half, "fp16": half, "fp32": fp32}
+
+
+# Dense peak FLOP/s (no sparsity; datasheets quote tensor-core rates with 2:4 sparsity, twice these)
+# per device, keyed by the exact name torch.cuda.get_device_name() reports: variants of one part
+# differ (an H100 PCIe is 756 TFLOPS, an SXM 989). fp32 is the plain FP32 rate, not TF32: the trainer
+# leaves TF32 off.
 PEAK_FLOPS = {
-    ("H100", "bf16"): 989e12, ("H200", "bf16"): 989e12, ("A100", "bf16"): 312e12,
-    ("H100", "fp32"): 67e12, ("A100", "fp32"): 19.5e12, ("L40S", "bf16"): 362e12,
-    ("A10", "bf16"): 125e12, ("V100", "fp16"): 125e12, ("B200", "bf16"): 2250e12,
+    "NVIDIA H100 80GB HBM3": _dense(989.4e12, 67e12),  # SXM5
+    "NVIDIA H100 PCIe": _dense(756e12, 51e12),
+    "NVIDIA H100 NVL": _dense(835e12, 60e12),
+    "NVIDIA H200": _dense(989.4e12, 67e12),  # SXM
+    "NVIDIA H200 NVL": _dense(835e12, 60e12),
+    "NVIDIA GH200 480GB": _dense(989.4e12, 67e12),
+    "NVIDIA GH200 144G HBM3e": _dense(989.4e12, 67e12),
+    "NVIDIA A100-SXM4-80GB": _dense(312e12, 19.5e12),
+    "NVIDIA A100-SXM4-40GB": _dense(312e12, 19.5e12),
+    "NVIDIA A100 80GB PCIe": _dense(312e12, 19.5e12),
+    "NVIDIA A100-PCIE-40GB": _dense(312e12, 19.5e12),
+    "NVIDIA L40S": _dense(362e12, 91.6e12),
+    "NVIDIA A10": _dense(125e12, 31.2e12),
+    "NVIDIA B200": {"bf16": 2250e12, "fp16": 2250e12},
+    "Tesla V100-SXM2-16GB": {"fp16": 125e12, "fp32": 15.7e12},  # no bf16 units
+    "Tesla V100-SXM2-32GB": {"fp16": 125e12, "fp32": 15.7e12},
 }
+
+
+def peak_flops_for(name: str, precision: str) -> float:
+    """Dense peak FLOP/s of the GPU named `name` (as torch.cuda.get_device_name() gives it) in
+    `precision` (bf16 | fp16 | fp32); 0.0 when not in PEAK_FLOPS."""
+    return PEAK_FLOPS.get(name, {}).get(precision, 0.0)
 
 
 def peak_flops(device: torch.device, precision: str, configured: float) -> float:
@@ -34,10 +61,11 @@ def peak_flops(device: torch.device, precision: str, configured: float) -> float
     if device.type != "cuda":
         return 0.0
     name = torch.cuda.get_device_name(device)
-    for (model, prec), flops in PEAK_FLOPS.items():
-        if model in name and prec == precision:
-            return flops
-    return 0.0
+    peak = peak_flops_for(name, precision)
+    if not peak:
+        log.warning("warning: no peak FLOP/s known for %s in %s, so MFU is not reported; set "
+                    "distributed.peak_flops (FLOP/s per device, dense) to report it", name, precision)
+    return peak
 
 
 def memory_stats(device: torch.device) -> dict:

@@ -64,4 +64,30 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # network (e.g. an Ethernet management interface instead of InfiniBand):
 # export NCCL_SOCKET_IFNAME=ib0       # interface for NCCL's bootstrap and socket transport
 # export NCCL_IB_HCA=mlx5             # InfiniBand adapters to use
-# export GLOO_SOCKET_IFNAME=ib0       # same for gloo (CPU runs, and torch's CPU-side collectives)
+# export GLOO_SOCKET_IFNAME=ib0       # the same for gloo (else derived below)
+
+# gloo carries the trainer's host-side collectives (every step and every save, all of a CPU run).
+# Left unset, it binds to the address the node's name resolves to, often 127.0.1.1 or a management
+# NIC, and a multi-node job fails or hangs. So: NCCL_SOCKET_IFNAME when it is one of this node's
+# interfaces, else the interface that routes to another node of the job. (This runs on the first
+# node, so not the route to HEAD_NODE, which is lo here; lo only for a loopback address: one node,
+# or the test cluster.) Unset if `ip` or `getent` is missing. Every node gets the name found here.
+if [[ -z ${GLOO_SOCKET_IFNAME:-} ]]; then
+    gloo_if=${NCCL_SOCKET_IFNAME:-}
+    gloo_if=${gloo_if#=}  # NCCL's exact-name form; a prefix ("ib") or a list ("^docker,lo") is no name
+    if [[ -z $gloo_if || ! -e /sys/class/net/$gloo_if ]]; then
+        peer=$HEAD_NODE
+        if (( NNODES > 1 )) && [[ -n ${SLURM_JOB_NODELIST:-} ]]; then
+            peer=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 2p) || true
+        fi
+        peer_addr=$(getent hosts "$peer" 2>/dev/null | awk '{print $1; exit}') || true
+        gloo_if=$(ip route get "$peer_addr" 2>/dev/null |
+                  awk '{for (i = 1; i < NF; i++) if ($i == "dev") {print $(i + 1); exit}}') || true
+        if [[ $gloo_if == lo && $peer_addr != 127.* && $peer_addr != ::1 ]]; then
+            gloo_if=""
+        fi
+    fi
+    if [[ -n $gloo_if ]]; then
+        export GLOO_SOCKET_IFNAME=$gloo_if
+    fi
+fi

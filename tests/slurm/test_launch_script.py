@@ -1,8 +1,11 @@
-"""slurm/pretrain.sbatch run by bash outside Slurm in dry-run mode: no cluster needed."""
+"""slurm/pretrain.sbatch (in dry-run mode) and slurm/env.sh run by bash outside Slurm: no cluster needed."""
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/tiny.yaml"
@@ -43,3 +46,68 @@ def test_bad_config_or_no_config_fails_with_one_line():
     assert "launch:" not in r.stdout
     r = dry_run()
     assert r.returncode == 2 and r.stderr.startswith("usage: sbatch slurm/pretrain.sbatch CONFIG")
+
+
+# slurm/env.sh's GLOO_SOCKET_IFNAME, sourced as the batch script does (on the first node), with
+# `hostname`, `getent`, `ip` and `scontrol` stubbed where a case needs a network this machine lacks.
+HEAD_IS_LOOPBACK = {"hostname": "echo 127.0.0.1"}
+ROUTE_VIA_IB9 = {"ip": 'echo "$3 via 10.0.0.1 dev ib9 src 10.0.0.5 uid 0"'}
+
+
+def gloo_ifname(tmp_path: Path, stubs: dict[str, str], only: tuple[str, ...] = (), **env: str) -> str:
+    """GLOO_SOCKET_IFNAME after `source slurm/env.sh` under `set -euo pipefail` ("unset" if unset).
+    With `only`, PATH holds the stubs and just these tools."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    for tool in only:
+        if shutil.which(tool):
+            (bin_dir / tool).symlink_to(shutil.which(tool))
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "NCCL_", "GLOO_"))}
+    path = str(bin_dir) if only else f"{bin_dir}:{os.environ['PATH']}"
+    r = subprocess.run([shutil.which("bash"), "-c", 'set -euo pipefail; source slurm/env.sh; '
+                        'echo "${GLOO_SOCKET_IFNAME-unset}"'], cwd=REPO, capture_output=True, text=True,
+                       timeout=30, env={**base, "GPUS_PER_NODE": "0", **env, "PATH": path})
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+@pytest.mark.skipif(not (shutil.which("ip") and shutil.which("getent")), reason="needs ip and getent")
+def test_gloo_uses_lo_when_the_head_node_is_loopback(tmp_path):
+    assert gloo_ifname(tmp_path, HEAD_IS_LOOPBACK) == "lo"
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"NCCL_SOCKET_IFNAME": "lo"}, "lo"),  # an interface of this node: NCCL's
+    ({"NCCL_SOCKET_IFNAME": "=lo"}, "lo"),  # NCCL's exact-name form
+    ({"NCCL_SOCKET_IFNAME": "eth7x"}, "ib9"),  # no such interface here (an NCCL prefix): the route's
+    ({"NCCL_SOCKET_IFNAME": "^docker,lo"}, "ib9"),
+    ({"GLOO_SOCKET_IFNAME": "eth7"}, "eth7"),  # set by the user: kept
+])
+def test_gloo_takes_nccls_interface_when_it_names_one(tmp_path, env, expected):
+    assert gloo_ifname(tmp_path, {**HEAD_IS_LOOPBACK, **ROUTE_VIA_IB9}, **env) == expected
+
+
+def test_gloo_on_the_head_node_routes_to_the_second_node_not_to_its_own_name(tmp_path):
+    """The head node's own name resolves to 127.0.1.1 (Debian's /etc/hosts); the second node's to
+    its cluster address, which only ib0 reaches."""
+    stubs = {"scontrol": 'printf "n1\\nn2\\n"',
+             "getent": 'case $2 in n1) echo "127.0.1.1 n1";; n2) echo "10.0.0.2 n2";; esac',
+             "ip": '[ "$3" = 10.0.0.2 ] && echo "10.0.0.2 via 10.0.0.1 dev ib0 src 10.0.0.1 uid 0"'}
+    assert gloo_ifname(tmp_path, stubs, SLURM_NNODES="2", SLURM_JOB_NODELIST="n[1-2]") == "ib0"
+
+
+def test_gloo_never_binds_lo_for_an_address_that_is_not_loopback(tmp_path):
+    """One node whose name resolves to its own Ethernet address: the route to it is lo, which
+    other hosts could not reach; gloo keeps its own choice."""
+    stubs = {"hostname": "echo n1", "getent": 'echo "10.0.0.1 n1"',
+             "ip": 'echo "local 10.0.0.1 dev lo table local src 10.0.0.1 uid 0"'}
+    assert gloo_ifname(tmp_path, stubs) == "unset"
+
+
+@pytest.mark.parametrize("missing", ["ip", "getent"])
+def test_gloo_stays_unset_without_ip_or_getent(tmp_path, missing):
+    tools = tuple(t for t in ("awk", "sed", "getent", "ip") if t != missing)
+    assert gloo_ifname(tmp_path, HEAD_IS_LOOPBACK, only=tools) == "unset"
