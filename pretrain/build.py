@@ -82,7 +82,7 @@ def engine(cfg: Config, args: ModelArgs, env: distributed.Dist, precision: str, 
     the seed or, for fine-tuning, with the weights of `init_weights_from`. `universal`: the optimizer
     state to be restored was saved at another world size. Returns (engine, DeepSpeed config)."""
     from pretrain.checkpoint import load_weights
-    from pretrain.parallelize import build_engine, build_model, deepspeed_config
+    from pretrain.parallelize import apply_compile, build_engine, build_model, deepspeed_config
 
     launcher_stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
     if launcher_stage and int(launcher_stage) != cfg.distributed.zero_stage:
@@ -96,9 +96,7 @@ def engine(cfg: Config, args: ModelArgs, env: distributed.Dist, precision: str, 
         load_weights(model, init_weights_from, env, zero3=cfg.distributed.zero_stage == 3)
     engine = build_engine(model, cfg, ds_config, env.device)
     if cfg.train.compile:
-        # DeepSpeed's own: torch.compile of the whole model, with ZeRO-3's parameter hooks kept out
-        # of the graphs (they run eagerly between compiled pieces). Compiles at the first step.
-        engine.compile()
+        apply_compile(engine, cfg.distributed.zero_stage)
     return engine, ds_config
 
 

@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--peak-tflops", type=float, default=0.0,
                      help="per-GPU peak TFLOPS (default: distributed.peak_flops, else H100's for the precision)")
     est.add_argument("--gbps", type=float, default=400.0, help="interconnect bandwidth per GPU in Gbit/s")
+    est.add_argument("--gpu-memory", type=float, default=80.0,
+                     help="memory per GPU in GiB: rows that need more are marked (default 80)")
     est.add_argument("--precision", choices=["bf16", "fp16", "fp32"], help="training precision (default: the "
                      "config's; auto means bf16 on GPUs)")
     est.add_argument("--json", help="also write every figure to this JSON file")

@@ -4,11 +4,20 @@ Parameters and FLOPs per token (the trainer's own PaLM formula), memory per GPU 
 step, step and total time at an assumed MFU, and for planning past one machine the ZeRO
 communication per step and its time at an interconnect bandwidth, over a range of GPU counts.
 
-The memory model (bytes, per GPU):
-- model states, mixed precision (bf16 weights and gradients, fp32 master weights and Adam moments:
-  2 + 2 + 12 bytes per parameter), divided over the n GPUs as ZeRO does: stage 1 divides the 12,
-  stage 2 also the gradients, stage 3 everything (Rajbhandari et al. 2020). In fp32 the weights and
-  gradients take 4 bytes each and the master copy exists only from stage 1 on.
+The memory model (bytes, per GPU, n GPUs), what DeepSpeed 0.19 allocates for each setup (measured
+on CPU by counting the tensors alive; docs/performance.md compares it with DeepSpeed's estimators):
+- model states, mixed precision (p = 2: bf16 or fp16 weights; fp32 master weights and Adam moments,
+  12 bytes, divided over the n GPUs from stage 1 on):
+  stage 0 and 1 in bf16 with fp32 gradients (the default; bf16 stage 0 runs as stage 1) is
+  DeepSpeed's BF16_Optimizer: the bf16 gradients and an fp32 accumulation buffer for all of them
+  stay whole on every GPU: 2 + 2 + 4 + 12/n. Stages 1 and 2 otherwise (ZeRO's optimizer): 2 + 18/n,
+  the gradients reduced into a 16-bit and an fp32 partition (DeepSpeed's own figure). Stage 3:
+  (2 + a + 12)/n, a the bytes of the gradient accumulation (and reduction) dtype, plus the largest
+  module gathered whole: its 16-bit weights and gradient, and that gradient cast to fp32 for the
+  reduce-scatter when it is reduced in fp32: 4 (+ 4) bytes per parameter of it. In fp32 the weights
+  and gradients take 4 bytes; stage 0 keeps no master copy. Not counted: parameters ZeRO-3 keeps
+  gathered between forward and backward because they are used again within
+  stage3_max_reuse_distance (DeepSpeed's default, 1e9, can hold a few blocks of a 7B model).
 - activations: what autograd saves for backward, per token per transformer block, counted from this
   model's code and checked against torch's saved-tensor hooks (tests/test_estimate.py):
   (8 + 6p) D + 2p KVd + 4p F + 4 H bytes, p the bytes of the training dtype, D the width, KVd the
@@ -16,14 +25,17 @@ The memory model (bytes, per GPU):
   activation checkpointing keeps p D (its input), and one block's activations live again during
   its recomputation. The head keeps (4.5 + 2p) D + 28 bytes per token, plus the fp32
   log-probabilities (4 V) when the loss is one chunk; the loss chunk's logits are the transient peak.
-- DeepSpeed's buffers: stage 0 flattens all gradients into a copy for its all-reduce (also alone);
-  stages 1-3 reduce through a bucket, and ZeRO-3 prefetches weights into another.
+- DeepSpeed's buffers: the all-reduce of stage 0 and of BF16_Optimizer flattens buckets of up to
+  5e8 gradients into a copy; stages 1-3 reduce through a bucket, and ZeRO-3 prefetches weights into
+  another.
+A row over the GPU's memory (Assumptions.gpu_memory_gib: 80 GiB) is marked as not fitting.
 
 Communication per GPU per step (ring collectives move (n-1)/n of the data through each GPU):
 stage 0 and 1 all-reduce (or reduce-scatter + all-gather) the gradients once per step: 2 psi;
 stage 2 reduce-scatters every micro-batch and gathers the weights once: (k + 1) psi;
 stage 3 gathers the weights twice (forward, backward) and reduce-scatters once per micro-batch:
-3 k psi; psi = (n-1)/n x parameters x bytes, k the micro-batches per GPU per step. With
+3 k psi; psi = (n-1)/n x parameters x bytes, k the micro-batches per GPU per step, the bytes those
+of the weights for gathers and of distributed.grad_dtype for gradients (fp32 by default under bf16). With
 communication overlapped with compute (DeepSpeed's overlap_comm) a step takes about the longer of
 the two; where communication is longer, more GPUs stop paying.
 """
@@ -58,22 +70,51 @@ def activation_bytes(args: ModelArgs, tokens: int, p: int, ac_every: int, loss_c
     return {"saved": (layers + head) * tokens, "peak_extra": max(loss_peak, block_backward)}
 
 
-def model_state_bytes(n_params: int, stage: int, world: int, precision: str) -> dict:
-    """Weights, gradients and optimizer state (master weights + Adam moments) per GPU."""
-    mixed = precision in ("bf16", "fp16")
-    w = g = 2 if mixed else 4
-    master = 4 if mixed or stage >= 1 else 0  # fp32 stage 0 updates the weights themselves
-    return {"weights": n_params * w / (world if stage >= 3 else 1),
-            "gradients": n_params * g / (world if stage >= 2 else 1),
-            "optimizer": n_params * (master + 8) / (world if stage >= 1 else 1)}
+def largest_layer_params(args: ModelArgs) -> int:
+    """Parameters of the largest module (the embedding or the head, else an FFN matrix), which
+    ZeRO-3 gathers whole and whose gradient it reduces whole (DeepSpeed's `largest_layer_params`)."""
+    return max(args.vocab_size * args.dim, args.dim * args.hidden_dim, args.dim * args.n_heads * args.head_dim)
 
 
-def comm_bytes(n_params: int, stage: int, world: int, micro_steps: int, p: int) -> float:
-    """Bytes through each GPU per optimizer step for ZeRO's collectives (0 alone)."""
+def model_state_bytes(n_params: int, stage: int, world: int, precision: str, grad_dtype: str = "fp32",
+                      largest_layer: int = 0) -> dict:
+    """Weights, gradients, optimizer state (master weights + Adam moments) and, at ZeRO-3, the largest
+    module gathered, per GPU, as DeepSpeed allocates them for `stage` as configured."""
+    n, p = n_params, 4 if precision == "fp32" else 2
+    a = 4 if precision == "fp32" or (precision == "bf16" and grad_dtype == "fp32") else 2
+    if precision == "bf16" and stage == 0:
+        stage = 1  # parallelize.engine_zero_stage
+    if stage == 0:  # fp32: torch's AdamW on the weights; fp16: DeepSpeed's FP16_Optimizer, fp32 copies
+        extra = 0 if p == 4 else 4
+        return {"weights": p * n, "gradients": (p + extra) * n, "optimizer": (8 + extra) * n}
+    if stage == 1 and precision == "bf16" and a == 4:  # BF16_Optimizer
+        return {"weights": 2 * n, "gradients": (2 + 4) * n, "optimizer": 12 * n / world}
+    if stage <= 2:
+        return {"weights": p * n, "gradients": (p + 4) * n / world, "optimizer": 12 * n / world}
+    return {"weights": p * n / world, "gradients": a * n / world, "optimizer": 12 * n / world,
+            "gathered": (2 * p + (a if a != p else 0)) * largest_layer}
+
+
+def allreduce_copy_bytes(n_params: int, stage: int, precision: str, grad_dtype: str) -> float:
+    """The flat copy DeepSpeed's plain all-reduce makes (engine.allreduce_no_retain): gradients in
+    buckets of 5e8 elements, each bucket of several tensors flattened first. BF16_Optimizer hands it
+    one flat fp32 buffer per parameter group, copied only when both groups fit in one bucket."""
+    if stage == 0 and precision != "bf16":
+        return (4 if precision == "fp32" else 2) * min(n_params, 5e8)
+    if stage <= 1 and precision == "bf16" and grad_dtype == "fp32":
+        return 4 * n_params if n_params <= 5e8 else 0.0
+    return 0.0
+
+
+def comm_bytes(n_params: int, stage: int, world: int, micro_steps: int, p: int, g: int | None = None) -> float:
+    """Bytes through each GPU per optimizer step for ZeRO's collectives (0 alone): weights of p
+    bytes, gradients reduced in g bytes (default p)."""
     if world == 1:
         return 0.0
-    psi = (world - 1) / world * n_params * p
-    return {0: 2, 1: 2, 2: micro_steps + 1, 3: 3 * micro_steps}[stage] * psi
+    g = p if g is None else g
+    psi = (world - 1) / world * n_params
+    gathers, reduces = {0: (0, 2), 1: (1, 1), 2: (1, micro_steps), 3: (2 * micro_steps, micro_steps)}[stage]
+    return psi * (gathers * p + reduces * g)
 
 
 @dataclass
@@ -83,37 +124,41 @@ class Assumptions:
     peak_tflops: float = 989.0  # per-GPU dense peak (H100/H200 bf16)
     gbps: float = 400.0  # interconnect bandwidth per GPU, Gbit/s (e.g. one 400G NIC per GPU)
     precision: str = "bf16"
+    gpu_memory_gib: float = 80.0  # memory per GPU; rows that need more are marked (H100/A100 80GB)
 
 
 def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
     """Every figure of the report, for `a.gpus` GPUs, and a scaling table over GPU counts."""
     if a.gpus < 1 or not 0 < a.mfu <= 1 or a.peak_tflops <= 0 or a.gbps <= 0:
         raise ConfigError("--gpus must be >= 1, --mfu in (0, 1], --peak-tflops and --gbps > 0")
+    if a.gpu_memory_gib <= 0:
+        raise ConfigError(f"GPU memory {a.gpu_memory_gib:g} GiB must be > 0")
     cfg.validate(a.gpus)
     p = {"bf16": 2, "fp16": 2, "fp32": 4}[a.precision]
+    g = 4 if a.precision == "fp32" or cfg.distributed.grad_dtype == "fp32" else 2  # gradient reduce dtype
     n_total, n_non_emb = num_params(args), num_params(args, non_embedding=True)
     fpt = flops_per_token(args, cfg.data.seq_len)
-    stage, t = cfg.distributed.zero_stage, cfg.train
+    stage, t, d = cfg.distributed.zero_stage, cfg.train, cfg.distributed
     tokens_per_step = cfg.global_batch(a.gpus) * cfg.data.seq_len
 
     def at(world: int) -> dict:
         k = cfg.grad_accum(world)
-        states = model_state_bytes(n_total, stage, world, a.precision)
+        states = model_state_bytes(n_total, stage, world, a.precision, d.grad_dtype, largest_layer_params(args))
         acts = activation_bytes(args, t.micro_batch_size * cfg.data.seq_len, p, t.activation_checkpointing,
                                 t.loss_chunk_tokens)
-        d = cfg.distributed
-        if stage == 0:
-            buffers = states["gradients"]
-        else:
-            buffers = (d.reduce_bucket_size or args.dim**2) * 4 + (
+        buffers = allreduce_copy_bytes(n_total, stage, a.precision, d.grad_dtype)
+        if stage > 0:
+            buffers += (d.reduce_bucket_size or args.dim**2) * 4 + (
                 (d.prefetch_bucket_size or int(0.9 * args.dim**2)) * p if stage == 3 else 0)
         memory = {**states, "activations": acts["saved"] + acts["peak_extra"], "buffers": buffers}
         compute_s = fpt * tokens_per_step / (world * a.peak_tflops * 1e12 * a.mfu)
-        comm_s = comm_bytes(n_total, stage, world, k, p) / (a.gbps * 1e9 / 8)
+        comm = comm_bytes(n_total, stage, world, k, p, g)
+        comm_s = comm / (a.gbps * 1e9 / 8)
         step_s = max(compute_s, comm_s)
-        return {"gpus": world, "grad_accum": k, "memory_gib_per_gpu": sum(memory.values()) / GIB,
-                "memory_parts_gib": {k_: v / GIB for k_, v in memory.items()}, "compute_s": compute_s,
-                "comm_gib_per_gpu": comm_bytes(n_total, stage, world, k, p) / GIB, "comm_s": comm_s,
+        total_gib = sum(memory.values()) / GIB
+        return {"gpus": world, "grad_accum": k, "memory_gib_per_gpu": total_gib,
+                "fits": total_gib <= a.gpu_memory_gib, "memory_parts_gib": {k_: v / GIB for k_, v in memory.items()}, "compute_s": compute_s,
+                "comm_gib_per_gpu": comm / GIB, "comm_s": comm_s,
                 "step_s": step_s, "tokens_per_s": tokens_per_step / step_s, "comm_bound": comm_s > compute_s}
 
     here = at(a.gpus)
@@ -132,8 +177,26 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         "flops_total": fpt * tokens_per_step * t.max_steps, "zero_stage": stage,
         "assumptions": vars(a), **here, "total_s": total_s, "total_h": total_s / 3600,
         "host_checkpoint_copy_gib": (n_total * (4 + 8) / (a.gpus if stage >= 1 else 1)) / GIB,
-        "scaling": scaling,
+        "scaling": scaling, "fit_hint": fit_hint(cfg),
     }
+
+
+def fit_hint(cfg: Config) -> str:
+    """What would lower the memory per GPU of this config."""
+    hints = ["more GPUs"]
+    if cfg.distributed.zero_stage < 3:
+        hints.append("distributed.zero_stage=3")
+    if cfg.train.activation_checkpointing != 1:
+        hints.append("train.activation_checkpointing=1")
+    if cfg.train.micro_batch_size > 1:
+        hints.append("a smaller train.micro_batch_size")
+    return ", ".join(hints[:-1]) + " or " + hints[-1] if len(hints) > 1 else hints[0]
+
+
+def _memory_cell(r: dict, a: dict) -> str:
+    if r["fits"]:
+        return f"{r['memory_gib_per_gpu']:.2f}"
+    return f"{r['memory_gib_per_gpu']:.2f}, does not fit (> {a['gpu_memory_gib']:g} GiB)"
 
 
 def report(e: dict) -> str:
@@ -147,6 +210,8 @@ def report(e: dict) -> str:
         f"memory per GPU: {e['memory_gib_per_gpu']:.2f} GiB = "
         + " + ".join(f"{k} {v:.2f}" for k, v in e["memory_parts_gib"].items())
         + f"; host memory for a checkpoint in flight: {e['host_checkpoint_copy_gib']:.2f} GiB per GPU",
+        *([] if e["fits"] else [f"does not fit ({e['memory_gib_per_gpu']:.0f} GiB > {a['gpu_memory_gib']:g} GiB "
+                                f"per GPU): use {e['fit_hint']}"]),
         f"time at {a['mfu']:.0%} MFU of {a['peak_tflops']:g} TFLOPS: {e['step_s']:.3g} s per step, "
         f"{e['total_h']:.3g} h for {e['steps']:,} steps",
         f"ZeRO communication at {a['gbps']:g} Gbit/s per GPU: {e['comm_gib_per_gpu']:.3g} GiB per GPU per step, "
@@ -159,7 +224,7 @@ def report(e: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in e["scaling"]:
-        lines.append(f"| {r['gpus']} | {r['grad_accum']} | {r['memory_gib_per_gpu']:.2f} | {r['compute_s']:.3g} | "
+        lines.append(f"| {r['gpus']} | {r['grad_accum']} | {_memory_cell(r, a)} | {r['compute_s']:.3g} | "
                      f"{r['comm_s']:.3g} | {r['step_s']:.3g} | {r['tokens_per_s']:,.0f} | "
                      f"{r['compute_s'] / r['step_s']:.0%} |")
     return "\n".join(lines)
@@ -167,14 +232,14 @@ def report(e: dict) -> str:
 
 def estimate_cli(args) -> None:
     from pretrain.config import load_config
-    from pretrain.metrics import PEAK_FLOPS
+    from pretrain.metrics import peak_flops_for
 
     cfg = load_config(args.config, args.overrides)
     model_args = _model_args(cfg)
     precision = args.precision or (cfg.train.precision if cfg.train.precision != "auto" else "bf16")
     peak = args.peak_tflops or (cfg.distributed.peak_flops / 1e12 if cfg.distributed.peak_flops
-                                else PEAK_FLOPS[("H100", "bf16" if precision != "fp32" else "fp32")] / 1e12)
-    e = estimate(cfg, model_args, Assumptions(args.gpus, args.mfu, peak, args.gbps, precision))
+                                else peak_flops_for("NVIDIA H100 80GB HBM3", precision) / 1e12)
+    e = estimate(cfg, model_args, Assumptions(args.gpus, args.mfu, peak, args.gbps, precision, args.gpu_memory))
     print(report(e))
     if args.json:
         with open(args.json, "w") as f:

@@ -140,3 +140,18 @@ def check_rope_table(model: Transformer) -> None:
         error = (table.float() - expected).abs().max().item()
         raise RuntimeError(f"the RoPE table the engine holds is {table.dtype}, off the fp32 table by up to "
                            f"{error:.3g}: positions would be wrong")
+
+
+def apply_compile(engine, zero_stage: int) -> None:
+    """train.compile (compiles at the first step). ZeRO 0-2: the whole model through DeepSpeed's
+    engine.compile(), one graph without breaks. ZeRO-3: each block and the LM head apart, as
+    torchtitan does. DeepSpeed gathers and releases parameters in hooks on every submodule, kept out
+    of graphs (torch.compiler.disable), so the model falls into pieces either way; per block it is
+    fewer (tiny model with activation checkpointing: 3 graphs and 12 breaks against 5 and 22;
+    bench/bench_compile_graphs.py, docs/performance.md)."""
+    if zero_stage < 3:
+        engine.compile()
+        return
+    for block in engine.module.layers:
+        block.compile()
+    engine.module.output.compile()
