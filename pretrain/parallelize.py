@@ -77,6 +77,9 @@ def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict:
            if precision == "bf16" else {}),
         "fp16": {"enabled": precision == "fp16", "initial_scale_power": 16},
         "zero_allow_untested_optimizer": True,
+        # Offloaded, the master weights and moments live in host memory and our torch AdamW steps
+        # them there (fused on the CPU); DeepSpeed otherwise insists on its CPUAdam, a JIT-built op.
+        "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 10**12,  # we log ourselves
         "wall_clock_breakdown": False,
     }
