@@ -399,9 +399,9 @@ class CheckpointManager:
             for group, saved in zip(groups, hyper):
                 group.update(saved)
             inner = engine.optimizer.optimizer
+            on_device = any(g.get("fused") or g.get("capturable") for g in inner.param_groups)
             for param, state in inner.state.items():
                 if torch.is_tensor(state.get("step")):
-                    on_device = any(g.get("fused") or g.get("capturable") for g in inner.param_groups)
                     state["step"] = state["step"].clone().to(param.device if on_device else "cpu")
 
     def _universal_dir(self, ckpt: Path) -> Path:

@@ -100,7 +100,7 @@ class DistributedConfig:
     prefetch_bucket_size: int = 0  # ZeRO-3: elements of parameters gathered ahead (0 = 0.9 x model.dim^2)
     overlap_comm: bool = True  # overlap gradient reduction with backward
     offload_optimizer: bool = False  # ZeRO optimizer state on CPU memory
-    grad_dtype: str = "fp32"  # bf16/fp16 runs: dtype gradients accumulate over micro-batches and reduce across ranks in: fp32 | bf16 (half the traffic, inexact; docs/performance.md)
+    grad_dtype: str = "fp32"  # bf16 runs: dtype gradients accumulate over micro-batches and reduce across ranks in: fp32 | bf16 (half the traffic, inexact; docs/performance.md)
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU (0 = from the device type)
 
 

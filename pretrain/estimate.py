@@ -132,10 +132,10 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
     if a.gpus < 1 or not 0 < a.mfu <= 1 or a.peak_tflops <= 0 or a.gbps <= 0:
         raise ConfigError("--gpus must be >= 1, --mfu in (0, 1], --peak-tflops and --gbps > 0")
     if a.gpu_memory_gib <= 0:
-        raise ConfigError(f"GPU memory {a.gpu_memory_gib:g} GiB must be > 0")
+        raise ConfigError(f"--gpu-memory={a.gpu_memory_gib:g} must be > 0 (GiB per GPU)")
     cfg.validate(a.gpus)
     p = {"bf16": 2, "fp16": 2, "fp32": 4}[a.precision]
-    g = 4 if a.precision == "fp32" or cfg.distributed.grad_dtype == "fp32" else 2  # gradient reduce dtype
+    g = 4 if a.precision == "fp32" or (a.precision == "bf16" and cfg.distributed.grad_dtype == "fp32") else 2
     n_total, n_non_emb = num_params(args), num_params(args, non_embedding=True)
     fpt = flops_per_token(args, cfg.data.seq_len)
     stage, t, d = cfg.distributed.zero_stage, cfg.train, cfg.distributed

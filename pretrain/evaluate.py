@@ -84,10 +84,7 @@ def evaluate(model, tokenizer, cfg, env, batches: int = 0, micro_batch_size: int
 
 
 def eval_cli(args) -> None:
-    from pretrain import distributed, hub
-    from pretrain.export import load_for_inference
-
-    from pretrain.checkpoint import open_checkpoint
+    from pretrain import distributed
 
     if args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         args.overrides, args.config = [args.config, *args.overrides], None  # overrides without a CONFIG
@@ -96,6 +93,19 @@ def eval_cli(args) -> None:
 
         raise ConfigError("--batches and --micro-batch-size must be >= 0")
     env = distributed.init("auto")
+    try:
+        _eval(args, env)
+    finally:
+        # Tear the groups down before the interpreter does: gloo's threads destroyed at exit abort
+        # the process now and then ("terminate called without an active exception").
+        distributed.shutdown()
+
+
+def _eval(args, env) -> None:
+    from pretrain import distributed, hub
+    from pretrain.checkpoint import open_checkpoint
+    from pretrain.export import load_for_inference
+
     is_hf = hub.is_hf_model(args.model)
     path = hub.resolve(args.model) if is_hf else distributed.agree(lambda: open_checkpoint(args.model)[0])
     cfg = _config(path, is_hf, args.config, args.overrides, args.data)

@@ -48,7 +48,8 @@ def engine_zero_stage(cfg: Config, precision: str) -> int:
     1. DeepSpeed's stage-0 bf16 path (FP16_UnfusedOptimizer) accumulates gradients in bf16 and checks
     every parameter for overflow on the host: 44 host syncs per step (bench/bench_host_syncs.py).
     Stage 1 is DeepSpeed's bf16 optimizer: fp32 gradient accumulation, 2 syncs; on one device it
-    shards nothing, on several it shards the optimizer state (less memory, the same traffic)."""
+    shards nothing and holds an fp32 copy of every gradient (20 bytes of model states per parameter
+    against 16), on several it shards the optimizer state."""
     stage = cfg.distributed.zero_stage
     return 1 if stage == 0 and precision == "bf16" else stage
 

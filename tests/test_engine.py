@@ -116,7 +116,7 @@ def test_fp16_loss_scale_skips_are_counted_not_failures(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     last = [r for r in read_metrics(run) if "train/loss" in r][-1]
     assert last["train/skipped_steps"] == 0
-    assert 1 <= last["train/loss_scale_skips"] < 8 and last["train/loss_scale"] < 2**24, last
+    assert 1 <= last["train/loss_scale_skips"] < 8 and 0 < last["train/loss_scale"] < 2**24, last
     # Without the stand-in, fp16 on CPU is one line and exit 2, not DeepSpeed's traceback.
     plain = subprocess.run([sys.executable, "-m", "pretrain", *args[:-1], f"train.run_dir={tmp_path / 'cpu'}"],
                            cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
