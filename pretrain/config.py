@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -177,6 +178,13 @@ class Config:
             if early:
                 out.append(f"schedule.decay_points {early}: their decay would start inside the warmup "
                            f"({s.warmup_steps} steps): use later points or a shorter warmup")
+        o = self.optimizer
+        bad = [f"optimizer.{k}={getattr(o, k)}" for k in ("lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip")
+               if not math.isfinite(getattr(o, k))] + [f"schedule.min_lr={s.min_lr}"] * (not math.isfinite(s.min_lr))
+        if bad:
+            out.append(", ".join(bad) + ": must be finite numbers")
+        elif o.lr <= 0:
+            out.append(f"optimizer.lr={o.lr} must be > 0")
         if s.min_lr > self.optimizer.lr:
             out.append(f"schedule.min_lr={s.min_lr} is above optimizer.lr={self.optimizer.lr}")
         if self.checkpoint.keep_last < 1:

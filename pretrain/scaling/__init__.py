@@ -49,18 +49,28 @@ def _fits(inputs: list[str], bootstrap: int):
     from pretrain.scaling.results import collect
 
     points = collect(inputs)
-    iso = F.isoflop(points) if all(p.budget for p in points) else None
+    F.check_points(points)
+    try:  # points without a budget are grouped by 6 N D
+        iso = F.isoflop(points)
+    except F.FitError as e:  # the parametric law needs no budgets: it goes on without the parabolas
+        log.warning("warning: no IsoFLOP fit: %s", e)
+        iso = None
     par = F.parametric(points, bootstrap=bootstrap)
     return points, iso, par
 
 
 def fit_cli(args) -> None:
+    from pretrain.errors import UserError
     from pretrain.scaling import fit as F
 
+    if args.budget:
+        F.check_budget(args.budget)
     points, iso, par = _fits(args.inputs, args.bootstrap)
     law, ci = par["law"], par["intervals"]
     budget = args.budget or max(p.budget or 6 * p.params * p.tokens for p in points)
-    opt = F.optimum(law, budget)
+    wrong = F.problems(par, iso)
+    if wrong:  # what was found is still shown, marked; N* and D* need a law that holds
+        log.warning("warning: the law does not hold for these points: %s", "; ".join(wrong))
     print(f"{len(points)} points, {len({p.params for p in points})} model sizes")
     print("\nparametric law L(N, D) = E + A / N^alpha + B / D^beta (Huber on log L, L-BFGS from a grid; "
           f"95% bootstrap intervals over {args.bootstrap} resamples):")
@@ -83,18 +93,24 @@ def fit_cli(args) -> None:
             print(f"N_opt ~ C^{iso['params_law']['exponent']:.3f}, D_opt ~ C^{iso['tokens_law']['exponent']:.3f}")
         else:
             log.warning("warning: fewer than 2 budgets have a minimum inside their sizes: no N_opt(C), D_opt(C) laws")
-    else:
-        print("\n(no IsoFLOP fit: the points have no budgets; give sweep dirs or a CSV with a budget column)")
-    print(f"\nfor C = {budget:.3g} FLOPs (C = 6 N D): N* = {opt['params']:.4g}, D* = {opt['tokens']:.4g} "
-          f"(D/N = {opt['tokens'] / opt['params']:.1f}), predicted loss {opt['loss']:.4f}")
-    if iso and "params_law" in iso:
-        io = F.isoflop_optimum(iso, budget)
-        print(f"IsoFLOP power laws at the same C: N_opt = {io['params']:.4g}, D_opt = {io['tokens']:.4g}")
+    opt = None if wrong else F.optimum(law, budget)
+    if opt:
+        print(f"\nfor C = {budget:.3g} FLOPs (C = 6 N D): N* = {opt['params']:.4g}, D* = {opt['tokens']:.4g} "
+              f"(D/N = {opt['tokens'] / opt['params']:.1f}), predicted loss {opt['loss']:.4f}")
+        if iso and "params_law" in iso:
+            io = F.isoflop_optimum(iso, budget)
+            print(f"IsoFLOP power laws at the same C: N_opt = {io['params']:.4g}, D_opt = {io['tokens']:.4g}")
     if args.json:
-        out = {"law": law, "intervals": ci, "optimum": opt, "isoflop": iso, "residuals": par["residuals"],
-               "points": [vars(p) for p in points]}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        out = {"holds": not wrong, "problems": wrong, "law": law, "intervals": ci, "optimum": opt, "isoflop": iso,
+               "residuals": par["residuals"], "points": [vars(p) for p in points]}
+        try:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        except OSError as e:
+            raise UserError(f"--json {args.json}: {e.strerror}") from None
+    if wrong:
+        raise F.FitError(f"the law does not hold for these points ({'; '.join(wrong)}): no N*, D* recommended; "
+                         "the fit above is what was found")
 
 
 def plot_cli(args) -> None:

@@ -105,8 +105,12 @@ def plan(config: str, overrides: list[str], budgets: list[float], out: str, size
     """Write the run configs and DIR/manifest.csv; return the manifest rows."""
     if not 3 <= sizes <= 15:
         raise ConfigError(f"--sizes {sizes}: give 3 to 15 model sizes per budget (5 to 9 is usual)")
-    if not budgets or any(not c > 0 for c in budgets):
-        raise ConfigError("--budgets: give one or more positive FLOP budgets, e.g. 1e15,3e15,1e16")
+    if not budgets or any(not (math.isfinite(c) and c > 0) for c in budgets):
+        raise ConfigError("--budgets: give one or more positive, finite FLOP budgets, e.g. 1e15,3e15,1e16")
+    if not (math.isfinite(span) and span > 1):
+        raise ConfigError(f"--span {span}: the largest / smallest size per budget must be a number > 1 (8 is usual)")
+    if not (math.isfinite(lr) and lr >= 0):
+        raise ConfigError(f"--lr {lr}: give a positive learning rate (or 0: scaled by width)")
     if schedule not in ("cosine", "wsd", "wsd-s"):
         raise ConfigError(f"--schedule {schedule!r}: cosine, wsd or wsd-s")
     base = load_config(config, overrides)
