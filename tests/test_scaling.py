@@ -274,3 +274,9 @@ def test_bad_plan_numbers_are_one_line(tmp_path, capsys, flags, message):
                  "--out", str(tmp_path / "sweep")]) == 2
     assert message in _one_error(capsys)
     assert not (tmp_path / "sweep").exists()
+
+
+def test_fit_json_into_a_missing_dir_is_one_line(tmp_path, capsys):
+    path = _write_csv(tmp_path / "points.csv", synthetic(CHINCHILLA, budgets=(1e18, 1e19, 1e20), sizes=5))
+    assert main(["scaling", "fit", str(path), "--bootstrap", "0", "--json", str(tmp_path / "no" / "fit.json")]) == 2
+    assert "No such file or directory" in _one_error(capsys)
