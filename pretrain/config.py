@@ -183,8 +183,8 @@ class Config:
                if not math.isfinite(getattr(o, k))] + [f"schedule.min_lr={s.min_lr}"] * (not math.isfinite(s.min_lr))
         if bad:
             out.append(", ".join(bad) + ": must be finite numbers")
-        elif o.lr <= 0:
-            out.append(f"optimizer.lr={o.lr} must be > 0")
+        elif o.lr < 0:
+            out.append(f"optimizer.lr={o.lr} must be >= 0")
         if s.min_lr > self.optimizer.lr:
             out.append(f"schedule.min_lr={s.min_lr} is above optimizer.lr={self.optimizer.lr}")
         if self.checkpoint.keep_last < 1:

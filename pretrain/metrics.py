@@ -75,12 +75,26 @@ def memory_stats(device: torch.device) -> dict:
         peak = torch.cuda.max_memory_allocated(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
         return {"memory/gpu_peak_allocated_gib": round(peak, 3)}
-    import resource
-
     import psutil
 
     return {"memory/rss_gib": round(psutil.Process().memory_info().rss / 2**30, 3),
-            "memory/rss_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
+            "memory/rss_peak_gib": round(_peak_rss() / 2**30, 3)}
+
+
+def _peak_rss() -> int:
+    """This process's peak resident bytes. Linux's VmHWM, not getrusage's ru_maxrss: the latter
+    carries over exec, so a trainer started by a large parent (a sweep runner, a test session)
+    reports the parent's size as its own peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
 
 
 class MetricLogger:

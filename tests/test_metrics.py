@@ -61,3 +61,18 @@ def test_an_unknown_gpu_warns_once_how_to_get_mfu(monkeypatch, caplog):
     [record] = caplog.records
     assert "NVIDIA Future GPU" in record.message and "distributed.peak_flops" in record.message
     assert "\n" not in record.message
+
+
+def test_peak_rss_is_the_process_own_not_its_parents():
+    """getrusage's ru_maxrss carries over exec: a trainer started by a 1.5 GiB parent (a sweep runner,
+    a test session) reported 1.5 GiB as its own peak, and the memory estimate's check measured 0."""
+    import subprocess
+    import sys
+
+    ballast = bytearray(3 * 2**29)
+    ballast[::4096] = b"\1" * len(ballast[::4096])  # resident, not just reserved
+    child = subprocess.run([sys.executable, "-c", "import torch; from pretrain.metrics import memory_stats; "
+                            "print(memory_stats(torch.device('cpu'))['memory/rss_peak_gib'])"],
+                           capture_output=True, text=True, check=True)
+    assert float(child.stdout.strip()) < 1.0, child.stdout
+    del ballast

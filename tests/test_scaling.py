@@ -174,8 +174,9 @@ def test_a_budget_with_two_sizes_leaves_the_parametric_fit(tmp_path, capsys, cap
 
 
 def test_a_law_that_does_not_hold_is_said_and_still_written(tmp_path, capsys):
-    """Losses that rise with model size at every budget (curves opening downwards): the fit is
-    shown and written, marked as not holding, with no N*/D* and exit 2 (it used to recommend)."""
+    """Loss curves that open downwards at every budget: no law of this form fits them (beta comes
+    out 1.16). The fit is shown and written, marked as not holding, with no N*/D* and exit 2 (it
+    used to recommend)."""
     points = synthetic(CHINCHILLA, budgets=(1e18, 1e19, 1e20), sizes=5)
     for p in points:
         p.loss = 3.0 - 0.05 * math.log(p.params / 1e6) ** 2 / 10

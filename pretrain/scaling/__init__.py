@@ -68,7 +68,7 @@ def fit_cli(args) -> None:
     points, iso, par = _fits(args.inputs, args.bootstrap)
     law, ci = par["law"], par["intervals"]
     budget = args.budget or max(p.budget or 6 * p.params * p.tokens for p in points)
-    wrong = F.problems(par, iso)
+    wrong = F.problems(par)
     if wrong:  # what was found is still shown, marked; N* and D* need a law that holds
         log.warning("warning: the law does not hold for these points: %s", "; ".join(wrong))
     print(f"{len(points)} points, {len({p.params for p in points})} model sizes")
