@@ -164,13 +164,27 @@ def test_bad_fit_inputs_are_one_line(tmp_path, capsys, case, message):
 
 
 def test_a_budget_with_two_sizes_leaves_the_parametric_fit(tmp_path, capsys, caplog):
-    """The IsoFLOP fit needs 3 sizes per budget; the parametric law needs none: it goes on, warned."""
+    """An IsoFLOP parabola needs 3 sizes: a budget with 2 is left out, warned; the other budgets'
+    parabolas and the parametric law go on (the whole fit used to stop)."""
     points = synthetic(CHINCHILLA, budgets=(1e18, 1e19, 1e20), sizes=5)
     points = [p for p in points if p.budget != 1e18] + [p for p in points if p.budget == 1e18][:2]
     path = _write_csv(tmp_path / "points.csv", points)
     assert main(["scaling", "fit", str(path), "--bootstrap", "0", "--budget", "1e21"]) == 0
-    assert "N* = " in capsys.readouterr().out
-    assert "no IsoFLOP fit: budget 1e+18 has 2 model size(s)" in caplog.text
+    out = capsys.readouterr().out
+    assert "N* = " in out and "| 1e+19 |" in out and "| 1e+20 |" in out
+    assert "budget 1e+18 has 2 model size(s): an IsoFLOP parabola needs at least 3; left out" in caplog.text
+
+
+def test_a_point_without_a_budget_keeps_the_isoflop_fit(tmp_path, capsys):
+    """Points without a budget are grouped by 6ND (docs/scaling.md): one such row among budgeted ones
+    turned the IsoFLOP fit off for every point."""
+    points = synthetic(CHINCHILLA, budgets=(1e18, 1e19, 1e20), sizes=5)
+    points[0].budget = 0.0
+    path = _write_csv(tmp_path / "points.csv", points)
+    out = tmp_path / "fit.json"
+    assert main(["scaling", "fit", str(path), "--bootstrap", "0", "--json", str(out)]) == 0
+    iso = json.loads(out.read_text())["isoflop"]
+    assert iso is not None and len(iso["minima"]) == 3 and "params_law" in iso
 
 
 def test_a_law_that_does_not_hold_is_said_and_still_written(tmp_path, capsys):

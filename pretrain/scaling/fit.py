@@ -100,8 +100,10 @@ def isoflop(points: list[Point]) -> dict:
     minima, warnings = [], []
     for c, group in groups.items():
         sizes = sorted({p.params for p in group})
-        if len(sizes) < 3:
-            raise FitError(f"budget {c:.3g} has {len(sizes)} model size(s): an IsoFLOP parabola needs at least 3")
+        if len(sizes) < 3:  # (a point without a budget in a group of its own, a budget cut short)
+            warnings.append(f"budget {c:.3g} has {len(sizes)} model size(s): an IsoFLOP parabola needs at least 3; "
+                            "left out")
+            continue
         x = np.log([p.params for p in group])
         y = np.array([p.loss for p in group])
         a, b, k = (float(v) for v in np.polyfit(x, y, 2))
@@ -117,6 +119,8 @@ def isoflop(points: list[Point]) -> dict:
                 warnings.append(f"budget {c:.3g}: the fitted minimum N={n_opt:.3g} lies outside the sizes trained "
                                 f"({math.exp(x.min()):.3g}-{math.exp(x.max()):.3g}); add sizes towards it")
         minima.append(m)
+    if not minima:
+        raise FitError("no budget has 3 model sizes: an IsoFLOP parabola needs at least 3")
     out = {"minima": minima, "warnings": warnings}
     good = [m for m in minima if m["inside"]]
     if len(good) >= 2:
