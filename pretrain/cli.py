@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cosine or wsd: a run per point; wsd-s: a run per size, decay branches at each budget")
     pl.add_argument("--lr", type=float, default=0.0, help="one learning rate for every run (default: scaled by width)")
     pl.add_argument("--name", default="", help="sweep name, the W&B group (default: the directory name)")
+    pl.add_argument("--replace", action="store_true",
+                    help="DIR holds runs of another plan: move them and that plan to DIR/replaced/ (else refused)")
     pl.set_defaults(fn=_scaling("plan_cli"))
     ru = sc.add_parser("run", help="train a sweep's runs here, one after another (skips finished, resumes others)")
     ru.add_argument("dir", help="sweep directory")

@@ -72,7 +72,8 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # steps between checkpoints (0 = only at the end and on SIGTERM/SIGUSR1)
+    every: int = 0  # steps between checkpoints (0 = only at the end and on SIGTERM/SIGINT/SIGUSR1)
+    every_minutes: float = 0.0  # also save when this many minutes passed since the last save (0 = off)
     keep_last: int = 2  # complete checkpoints kept (older ones are deleted)
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this (0 = none)
     resume: str = "none"  # none | auto (latest complete checkpoint in run_dir, if any) | PATH
@@ -187,6 +188,8 @@ class Config:
             out.append(f"optimizer.lr={o.lr} must be >= 0")
         if s.min_lr > self.optimizer.lr:
             out.append(f"schedule.min_lr={s.min_lr} is above optimizer.lr={self.optimizer.lr}")
+        if not (math.isfinite(self.checkpoint.every_minutes) and self.checkpoint.every_minutes >= 0):
+            out.append(f"checkpoint.every_minutes={self.checkpoint.every_minutes} must be a number >= 0 (0 = off)")
         if self.checkpoint.keep_last < 1:
             out.append("checkpoint.keep_last must be >= 1 (a run always keeps its latest checkpoint)")
         d = self.distributed

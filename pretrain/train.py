@@ -7,8 +7,8 @@ owns signals, exit codes and the Slurm requeue.
 
 Exit codes: 0 done; 2 a user error (config, data, checkpoint, run dir, a failed save); 3 a
 non-finite step with train.on_nonfinite=stop (or too many in a row with skip); 75 stopped by
-SIGTERM/SIGUSR1 (after saving a checkpoint when a step had been trained; resume with
-checkpoint.resume=auto).
+SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) (after saving a checkpoint when a step had been trained;
+resume with checkpoint.resume=auto).
 
 Only this module's top-level imports run before the signal handler is installed, so they are light.
 """
@@ -29,13 +29,13 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again" - the job is resumable from its 
 
 
 class StopSignal:
-    """Remembers SIGTERM/SIGUSR1. Installed before anything heavy is imported, so a signal during
-    start-up is never lost: start-up checks it between phases, the trainer once per step (all
-    ranks agree)."""
+    """Remembers SIGTERM, SIGUSR1 and SIGINT (Ctrl-C, handled like SIGTERM). Installed before
+    anything heavy is imported, so a signal during start-up is never lost: start-up checks it
+    between phases, the trainer once per step (all ranks agree)."""
 
     def __init__(self):
         self.received: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):

@@ -58,6 +58,7 @@ class Trainer:
         self.loss_scale_skips = 0  # fp16: steps DeepSpeed dropped to lower the loss scale (not failures)
         self.fp16 = precision == "fp16"
         self.saved_step = -1  # step of the newest checkpoint of this run (no second save of a step)
+        self.saved_at = time.monotonic()  # when the newest save started (checkpoint.every_minutes)
         self.data_iter = None  # made in fit(), after a resume has positioned the loader
         self.timers = dict.fromkeys(("data", "compute"), 0.0)
         self.optimizer = engine.optimizer
@@ -220,6 +221,7 @@ class Trainer:
     def save(self, wait: bool = False) -> None:
         """Start a checkpoint of this step (written in the background); with `wait`, also finish it."""
         if self.saved_step != self.step:
+            self.saved_at = time.monotonic()
             self.logger.log({"checkpoint/blocking_s": self.ckpt.save(self.step)}, self.step)
             self.saved_step = self.step
         if wait:
@@ -268,14 +270,20 @@ class Trainer:
                     self.save()
                 # Right after the step, so a signal costs at most the rest of one step before the
                 # save starts (srun answers scancel's SIGTERM with SIGKILL within a second); with it,
-                # whether a background save failed on any rank, so that all stop at the same step.
-                signum, save_failed = distributed.agree_max([self.stop.received or 0, self.ckpt.save_failed()])
+                # whether a background save failed on any rank, and whether a timed save is due on
+                # any (clocks differ), so that all stop and save at the same step.
+                minutes = cfg.checkpoint.every_minutes
+                due = bool(minutes) and time.monotonic() - self.saved_at >= 60 * minutes
+                signum, save_failed, due = distributed.agree_max([self.stop.received or 0, self.ckpt.save_failed(),
+                                                                  int(due)])
                 if save_failed:
                     self.ckpt.wait()  # raises the failure
                 self._log_save(self.ckpt.finished())
                 if signum:
                     self.save(wait=True)
                     raise StopRequested(signum, self.step)
+                if due and self.step < t.max_steps:
+                    self.save()
         finally:
             progress.close()
             self.data_iter = None  # stop the data workers now, before the process is torn down

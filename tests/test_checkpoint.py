@@ -123,14 +123,22 @@ def test_resume_at_another_world_size(tmp_path, straight, saved, resumed):
     assert state["consumed"] == 8 * 8  # no sequence skipped or repeated
 
 
-def test_sigterm_saves_then_exits_75_and_resume_continues(tmp_path, straight):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_saves_then_exits_75_and_resume_continues(tmp_path, straight, sig):
+    """SIGTERM (scancel) to the process; SIGINT to its whole process group, as Ctrl-C in a terminal
+    sends it (the data workers get it too)."""
+    import os
+
     proc = _start(BASE + ["train.max_steps=400", "schedule.decay_steps=8", f"train.run_dir={tmp_path}"])
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 240
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
         assert proc.poll() is None and time.time() < deadline
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    if sig == "SIGTERM":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err[-2000:]
     saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
@@ -140,6 +148,15 @@ def test_sigterm_saves_then_exits_75_and_resume_continues(tmp_path, straight):
     proc = run_train(BASE + ["checkpoint.resume=auto", f"train.run_dir={tmp_path}"])
     got, want = _last_losses(tmp_path), losses(straight[1])
     assert got == want  # steps 1..step from the first run, the rest after the resume
+
+
+def test_checkpoint_every_minutes_saves_on_the_clock(tmp_path, straight):
+    """checkpoint.every_minutes=1e-4 (6 ms, less than a step): every step is saved, and the run is
+    the same run (keep_every keeps them all to count)."""
+    run_train(BASE + ["checkpoint.every_minutes=1e-4", "checkpoint.keep_every=1", f"train.run_dir={tmp_path}"])
+    saved = sorted(int(p.name[5:]) for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert saved == list(range(1, 9))
+    assert losses(tmp_path) == losses(straight[1])
 
 
 def test_rotation_and_interrupted_saves(tmp_path):

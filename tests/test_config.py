@@ -69,6 +69,12 @@ def test_several_problems_reported_together():
     assert any("train.precision='fp8'" in p for p in problems)
 
 
+@pytest.mark.parametrize("value", ["-1.0", "nan"])
+def test_checkpoint_every_minutes_must_be_a_number_from_zero(value):
+    with pytest.raises(ConfigError, match=f"checkpoint.every_minutes={value} must be a number >= 0"):
+        load_config(None, [f"checkpoint.every_minutes={value}"])
+
+
 def test_odd_head_dim_for_rope():
     with pytest.raises(ConfigError, match="RoPE needs an even head_dim"):
         load_config(None, ["model.dim=36", "model.n_heads=4", "model.n_kv_heads=4"])

@@ -224,7 +224,9 @@ def test_plan_writes_configs_and_a_manifest_the_trainer_accepts(tmp_path, capsys
     rows = list(csv.DictReader(open(out / "manifest.csv")))
     assert {"name", "budget", "params", "tokens", "flops", "config"} <= set(rows[0])
     for r in rows:
-        cfg = load_config(r["config"])  # usable with pretrain train / config show
+        assert r["config"] == f"configs/{r['run']}.yaml"  # relative: a copied sweep is whole
+        cfg = load_config(out / r["config"])  # usable with pretrain train / config show
+        assert cfg.train.run_dir == str(out / "runs" / r["run"]) and cfg.checkpoint.every_minutes == 5
         tokens = cfg.train.max_steps * cfg.global_batch(1) * cfg.data.seq_len
         assert int(r["tokens"]) == tokens and cfg.scaling.sweep == "sweep" and cfg.logging.group == "sweep"
         assert float(r["flops"]) == pytest.approx(float(r["budget"]), rel=0.35)  # whole steps of whole batches
@@ -255,19 +257,35 @@ def test_wsd_s_branches_match_separate_runs(tmp_path):
     assert final(tmp_path / "s") == pytest.approx(final(tmp_path / "b"), rel=1e-5)
 
 
-@pytest.mark.slow
-def test_a_tiny_sweep_is_planned_run_fitted_and_plotted(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory):
     """3 budgets x 4 sizes of tiny models on the built-in data, WSD-S (one run per size, a decay
-    branch per budget), end to end through the CLI."""
-    sweep = tmp_path / "sweep"
+    branch per budget), planned and run through the CLI; shared by the tests that read a trained
+    sweep (each copies it before changing anything)."""
+    sweep = tmp_path_factory.mktemp("tiny") / "sweep"
     overrides = ["data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=8", "logging.progress=false"]
     assert main(["scaling", "plan", str(SCALING_TINY), *overrides, "--budgets", "5e9,1e10,2e10", "--sizes", "4",
                  "--span", "6", "--schedule", "wsd-s", "--out", str(sweep)]) == 0
+    assert main(["scaling", "run", str(sweep)]) == 0
+    return sweep
+
+
+def _copy(sweep, to):
+    import shutil
+
+    shutil.copytree(sweep, to)
+    return to
+
+
+@pytest.mark.slow
+def test_a_tiny_sweep_is_planned_run_fitted_and_plotted(tiny_sweep, tmp_path, capsys):
+    sweep = tiny_sweep
     rows = list(csv.DictReader(open(sweep / "manifest.csv")))
     assert len({r["budget"] for r in rows}) == 3 and all(
         len({r["params"] for r in rows if r["budget"] == b}) >= 4 for b in {r["budget"] for r in rows})
-    assert main(["scaling", "run", str(sweep)]) == 0
+    capsys.readouterr()
     assert main(["scaling", "run", str(sweep)]) == 0  # everything finished: skipped
+    assert capsys.readouterr().out.count("finished, skipped") == len({r["run"] for r in rows})
     assert main(["scaling", "fit", str(sweep), "--budget", "1e12", "--bootstrap", "20",
                  "--json", str(tmp_path / "fit.json")]) == 0
     out = json.loads((tmp_path / "fit.json").read_text())
@@ -275,6 +293,100 @@ def test_a_tiny_sweep_is_planned_run_fitted_and_plotted(tmp_path, capsys):
     assert main(["scaling", "plot", str(sweep), "--out", str(tmp_path / "plots"), "--budget", "1e12"]) == 0
     for name in ("isoflop", "loss_vs_compute", "optimal_n_d", "residuals"):
         assert (tmp_path / "plots" / f"{name}.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_run_dirs_give_the_points_of_their_sweep(tiny_sweep, tmp_path):
+    """Run dirs as inputs keep their planned budgets (their spent FLOPs made every point a budget of
+    its own, and the IsoFLOP fit failed); given with their sweep dir, each point counts once."""
+    def points(*inputs):
+        assert main(["scaling", "fit", *map(str, inputs), "--bootstrap", "0", "--json", str(tmp_path / "f.json")]) == 0
+        fit = json.loads((tmp_path / "f.json").read_text())
+        return sorted((p["params"], p["tokens"], p["loss"], p["budget"]) for p in fit["points"]), fit["isoflop"]
+
+    runs = sorted((tiny_sweep / "runs").iterdir())
+    from_sweep, iso = points(tiny_sweep)
+    from_runs, iso_runs = points(*runs)
+    assert from_runs == from_sweep
+    assert [m["budget"] for m in iso_runs["minima"]] == [m["budget"] for m in iso["minima"]] == [5e9, 1e10, 2e10]
+    for got, want in zip(iso_runs["minima"], iso["minima"]):  # (the same points in another order)
+        assert got["parabola"] == pytest.approx(want["parabola"], rel=1e-9)
+    assert points(tiny_sweep, *runs[:2])[0] == from_sweep
+
+
+@pytest.mark.slow
+def test_a_copied_sweep_is_its_own_and_a_run_of_another_plan_is_refused(tiny_sweep, tmp_path, capsys):
+    """cp -r gives a sweep that trains into its own runs/ (it trained into the original); a run
+    trained under another config than its planned one is refused by run and fit, naming the field."""
+    copy = _copy(tiny_sweep, tmp_path / "copy")
+    from pretrain.scaling.run import config_of, planned_runs
+
+    first = planned_runs(copy)[0]
+    assert load_config(first["config"]).train.run_dir == str(copy / "runs" / first["run"])
+    shutil_config = copy / "configs" / f"{first['run']}.yaml"
+    text = shutil_config.read_text()
+    lr = load_config(shutil_config).optimizer.lr
+    shutil_config.write_text(text.replace(f"lr: {lr}", f"lr: {lr / 2}"))  # the run was trained at lr
+    for argv in (["scaling", "run", str(copy)], ["scaling", "fit", str(copy), "--bootstrap", "0"]):
+        assert main(argv) == 2
+        line = _one_error(capsys)
+        assert "1 run(s) were trained under another config than the one planned" in line
+        assert f"optimizer.lr: {lr} -> {lr / 2}" in line and first["run"] in line
+    assert main(["scaling", "run", str(copy), "--config-of", "0"]) == 2  # (the Slurm array task's question)
+    shutil_config.write_text(text)
+    assert config_of(str(copy), 0) == ""  # finished, in the copy
+
+
+@pytest.mark.slow
+def test_a_sweep_run_without_eval_losses_names_the_cause(tiny_sweep, tmp_path, capsys):
+    """A run that trained to its end without held-out data (a config edited by hand: plan refuses
+    such a base) makes fit say so, instead of 'unfinished, run it' while run says all finished."""
+    import yaml
+
+    copy = _copy(tiny_sweep, tmp_path / "copy")
+    run = sorted((copy / "runs").iterdir())[0]
+    config = copy / "configs" / f"{run.name}.yaml"
+    for path in (config, *run.glob("checkpoints/step_*/config.yaml")):
+        d = yaml.safe_load(path.read_text())
+        d["data"]["validation"] = []
+        path.write_text(yaml.safe_dump(d, sort_keys=False))
+    records = [r for r in read_metrics(run) if "eval/loss" not in r and "branch/eval_loss" not in r]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["scaling", "fit", str(copy), "--bootstrap", "0"]) == 2
+    assert f"{run.name} ran to its end but has no eval loss: its config has no data.validation" in _one_error(capsys)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_sweep_after_saving_and_the_rerun_resumes(tmp_path):
+    """SIGINT to the sweep's process group (Ctrl-C): the training run saves, the sweep stops with 75
+    (it exited 130 and saved nothing); run again, it resumes and finishes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import train_env
+
+    sweep = tmp_path / "sweep"
+    assert main(["scaling", "plan", str(SCALING_TINY), "data.seq_len=32", "train.global_batch_size=4",
+                 "train.micro_batch_size=4", "logging.progress=false", "logging.log_every=1", "train.eval_batches=1",
+                 "--budgets", "2e9", "--sizes", "3", "--span", "4", "--out", str(sweep)]) == 0
+    proc = subprocess.Popen([sys.executable, "-m", "pretrain", "scaling", "run", str(sweep)], env=train_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while not any(m.read_text().count("\n") >= 3 for m in sweep.glob("runs/*/metrics.jsonl")):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    assert "was stopped by a signal (checkpoint saved)" in err
+    [saved] = sweep.glob("runs/*/checkpoints/step_*")
+    assert main(["scaling", "run", str(sweep)]) == 0
+    resumed = saved.parent.parent
+    steps = [r["step"] for r in read_metrics(resumed) if "train/loss" in r]
+    assert steps == list(range(1, steps[-1] + 1)) and (resumed / "checkpoints" / f"step_{steps[-1]:08d}").is_dir()
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -295,3 +407,52 @@ def test_fit_json_into_a_missing_dir_is_one_line(tmp_path, capsys):
     path = _write_csv(tmp_path / "points.csv", synthetic(CHINCHILLA, budgets=(1e18, 1e19, 1e20), sizes=5))
     assert main(["scaling", "fit", str(path), "--bootstrap", "0", "--json", str(tmp_path / "no" / "fit.json")]) == 2
     assert "No such file or directory" in _one_error(capsys)
+
+
+# ------------------------------------------------------------------------- the sweep dir
+def _plan(out, *flags, config=SCALING_TINY):
+    return main(["scaling", "plan", str(config), "--budgets", "1e10,2e10", "--sizes", "3", "--out", str(out), *flags])
+
+
+def test_duplicate_budgets_are_merged_and_close_ones_refused(tmp_path, capsys, caplog):
+    assert _plan(tmp_path / "a", "--budgets", "1e10,1e10,2e10") == 0
+    names = [r["name"] for r in csv.DictReader(open(tmp_path / "a" / "manifest.csv"))]
+    assert len(names) == len(set(names)) == 6 and "1e+10 given more than once: planned once" in caplog.text
+    capsys.readouterr()
+    for schedule in ("cosine", "wsd-s"):  # wsd-s failed on "schedule.decay_points=[9, 9] must be increasing"
+        assert _plan(tmp_path / "b", "--budgets", "1e10,1.001e10", "--schedule", schedule) == 2
+        assert "are too close: both give the model of" in _one_error(capsys)
+        assert not (tmp_path / "b").exists()  # refused before anything is written
+
+
+def test_a_base_without_validation_data_is_refused_at_plan_time(tmp_path, capsys):
+    assert _plan(tmp_path / "a", "data.validation=[]") == 2
+    assert "the base config has no data.validation" in _one_error(capsys)
+    assert not (tmp_path / "a").exists()
+
+
+def test_replanning_a_dir_with_runs_is_refused_unless_replaced(tmp_path, capsys, caplog):
+    """The same plan again is harmless; another plan over trained runs is refused naming what
+    changed (it resumed the old runs under the new plan), and --replace moves them aside."""
+    out = tmp_path / "sweep"
+    assert _plan(out) == 0
+    (out / "runs" / "c1e10-n1").mkdir(parents=True)  # (a run that trained)
+    assert _plan(out, "train.micro_batch_size=4") == 0  # incidental: the same plan
+    capsys.readouterr()
+    assert _plan(out, "--lr", "0.001") == 2
+    line = _one_error(capsys)
+    assert "holds a sweep planned differently (lr: 0.0 -> 0.001)" in line and "--replace" in line
+    assert _plan(out, "--lr", "0.001", "--replace") == 0
+    [aside] = (out / "replaced").iterdir()
+    assert (aside / "runs" / "c1e10-n1").is_dir() and (aside / "manifest.csv").is_file() and not (out / "runs").exists()
+    assert json.loads((out / "plan.json").read_text())["inputs"]["lr"] == 0.001
+    assert "moved to" in caplog.text
+
+
+def test_unwritable_outputs_are_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert _plan(tmp_path / "file" / "sweep") == 2
+    assert "--out" in _one_error(capsys)
+    path = _write_csv(tmp_path / "points.csv", synthetic(CHINCHILLA, budgets=(1e18, 1e19, 1e20), sizes=5))
+    assert main(["scaling", "plot", str(path), "--out", str(tmp_path / "file")]) == 2
+    assert "--out" in _one_error(capsys)

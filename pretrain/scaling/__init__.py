@@ -25,7 +25,7 @@ def plan_cli(args) -> None:
     from pretrain.scaling.plan import plan, table
 
     rows = plan(args.config, args.overrides, _floats(args.budgets), args.out, sizes=args.sizes, span=args.span,
-                schedule=args.schedule, lr=args.lr, name=args.name)
+                schedule=args.schedule, lr=args.lr, name=args.name, replace=args.replace)
     print(table(rows))
     runs = len({r["run"] for r in rows})
     print(f"\n{len(rows)} points from {runs} runs, {sum({r['run']: r['flops'] for r in rows}.values()):.3g} FLOPs "

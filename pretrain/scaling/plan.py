@@ -21,6 +21,12 @@ Schedules: `--schedule cosine` (default; decay to the end of each run), `wsd` (w
 decay over schedule.decay_fraction), or `wsd-s`: one run per size whose decay branches end at each
 budget's token count (OLMo-core's WSD-S); the manifest then lists one row per (budget, size) and
 several rows share a run.
+
+A sweep dir is self-contained: the manifest's config paths and each config's run dir are relative
+(a copied sweep trains into its own runs/). It records its plan (DIR/plan.json: the inputs and
+their hash): planning into a dir that holds runs of another plan is refused unless `replace` moves
+the old plan and runs to DIR/replaced/; `run` and `fit` refuse runs trained under another config
+than the one planned for them (`check_runs`), naming the difference.
 """
 
 from __future__ import annotations
@@ -28,8 +34,13 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import hashlib
+import json
 import logging
 import math
+import shutil
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -43,9 +54,15 @@ from pretrain.model.model import flops_per_token, matmul_params
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.csv"
+PLAN = "plan.json"
 COLUMNS = ["name", "budget", "params", "tokens", "flops", "config", "run", "steps", "end_step", "dim", "n_layers"]
 MAX_LAYERS = 64
 MIN_STEPS = 100  # fewer and the loss is mostly warmup and noise: warned
+SAVE_MINUTES = 5.0  # sweep runs save this often (checkpoint.every_minutes) unless the base config says
+# Config fields that do not change what a run computes: a run trained with other values of these
+# still belongs to its plan (another machine, launcher, checkpoint cadence or logger).
+INCIDENTAL = ("train.run_dir", "train.micro_batch_size", "train.overwrite", "train.compile", "data.num_workers",
+              "checkpoint.", "logging.", "distributed.")
 
 
 @dataclasses.dataclass
@@ -101,8 +118,9 @@ class Family:
 
 
 def plan(config: str, overrides: list[str], budgets: list[float], out: str, sizes: int = 7, span: float = 8.0,
-         schedule: str = "cosine", lr: float = 0.0, name: str = "") -> list[dict]:
-    """Write the run configs and DIR/manifest.csv; return the manifest rows."""
+         schedule: str = "cosine", lr: float = 0.0, name: str = "", replace: bool = False) -> list[dict]:
+    """Write the run configs, DIR/manifest.csv and DIR/plan.json; return the manifest rows. Nothing
+    is written unless every config is valid."""
     if not 3 <= sizes <= 15:
         raise ConfigError(f"--sizes {sizes}: give 3 to 15 model sizes per budget (5 to 9 is usual)")
     if not budgets or any(not (math.isfinite(c) and c > 0) for c in budgets):
@@ -113,7 +131,14 @@ def plan(config: str, overrides: list[str], budgets: list[float], out: str, size
         raise ConfigError(f"--lr {lr}: give a positive learning rate (or 0: scaled by width)")
     if schedule not in ("cosine", "wsd", "wsd-s"):
         raise ConfigError(f"--schedule {schedule!r}: cosine, wsd or wsd-s")
+    repeated = sorted({c for c in budgets if budgets.count(c) > 1})
+    if repeated:
+        log.warning("warning: --budgets: %s given more than once: planned once", ", ".join(f"{c:.3g}" for c in repeated))
+    budgets = sorted(set(budgets))
     base = load_config(config, overrides)
+    if not base.data.validation:
+        raise ConfigError("the base config has no data.validation: a sweep's points are eval losses on held-out "
+                          "data; name a validation source (data.validation)")
     from pretrain.estimate import _model_args  # the shape with its vocabulary (from the tokenizer)
 
     family = Family(_model_args(base), base.data.seq_len)
@@ -122,7 +147,7 @@ def plan(config: str, overrides: list[str], budgets: list[float], out: str, size
     sweep = name or out_dir.name
     rows, warnings = [], []
     smallest = family.members[0]
-    for c in sorted(budgets):
+    for c in budgets:
         n_opt = math.sqrt(c / 120)
         chosen, inside = family.around(n_opt, sizes, span)
         if not inside:
@@ -143,14 +168,70 @@ def plan(config: str, overrides: list[str], budgets: list[float], out: str, size
     if len({r["params"] for r in rows if r["budget"] == rows[0]["budget"]}) < 3:
         raise ConfigError("the family has fewer than 3 distinct sizes at a budget: widen --span or change the "
                           "base model's aspect ratio")
-    manifest = _write(base, rows, out_dir, sweep, schedule, lr)
+    _check_apart(rows)
+    inputs = {"config": base.to_dict(), "budgets": budgets, "sizes": sizes, "span": span, "schedule": schedule,
+              "lr": lr, "name": sweep}
+    _make_room(out_dir, inputs, replace)
+    manifest = _write(base, rows, out_dir, sweep, schedule, lr, inputs)
     for w in sorted(set(warnings)):
         log.warning("warning: %s", w)
     return manifest
 
 
-def _write(base: Config, rows: list[dict], out_dir: Path, sweep: str, schedule: str, lr: float) -> list[dict]:
-    (out_dir / "configs").mkdir(parents=True, exist_ok=True)
+def _check_apart(rows: list[dict]) -> None:
+    """Budgets close enough to give one size the same number of steps (or the same name) would be
+    one run twice, or two decay branches at one step: refused before anything is written."""
+    seen: dict = {}
+    for r in rows:
+        key = (r["params"], r["steps"])
+        if key in seen and seen[key] != r["budget"]:
+            raise ConfigError(f"--budgets {seen[key]:.3g} and {r['budget']:.3g} are too close: both give the model "
+                              f"of {r['params']:,} parameters {r['steps']} steps; spread them further apart or "
+                              "merge them")
+        seen[key] = r["budget"]
+    names = {}
+    for c in {r["budget"] for r in rows}:
+        if f"{c:.3g}" in names:
+            raise ConfigError(f"--budgets {names[f'{c:.3g}']!r} and {c!r} are the same to 3 digits: merge them")
+        names[f"{c:.3g}"] = c
+
+
+def _plan_hash(inputs: dict) -> str:
+    """The plan's identity: its inputs, incidental fields left out."""
+    flat = {k: v for k, v in _flat(inputs).items() if not _incidental(k)}
+    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _make_room(out_dir: Path, inputs: dict, replace: bool) -> None:
+    """A dir planned before: the same plan is planned again in place; another plan's trained runs
+    are refused, or with `replace` moved to DIR/replaced/<time>/ with the old plan's files."""
+    if not (out_dir / MANIFEST).is_file():
+        return
+    try:
+        old = json.loads((out_dir / PLAN).read_text())
+    except (OSError, ValueError):
+        old = {"inputs": {}, "hash": ""}  # planned by an older version (or damaged): another plan
+    if old.get("hash") == _plan_hash(inputs):
+        return
+    runs = sorted(p.name for p in (out_dir / "runs").iterdir()) if (out_dir / "runs").is_dir() else []
+    if runs and not replace:
+        diff = differences(old["inputs"], inputs) if old.get("inputs") else ["its plan is not recorded"]
+        raise ConfigError(f"{out_dir} holds a sweep planned differently ({'; '.join(diff[:3])}) with {len(runs)} "
+                          "run(s) in runs/: plan into a new --out, or add --replace to move the old plan and its "
+                          "runs to replaced/")
+    if not runs:  # nothing trained: the old plan's files go
+        shutil.rmtree(out_dir / "configs", ignore_errors=True)
+        return
+    (out_dir / "replaced").mkdir(exist_ok=True)
+    aside = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=out_dir / "replaced"))
+    for name in (MANIFEST, PLAN, "configs", "runs"):
+        if (out_dir / name).exists():
+            (out_dir / name).rename(aside / name)
+    log.warning("warning: the old plan and its %d run(s) were moved to %s", len(runs), aside)
+
+
+def _write(base: Config, rows: list[dict], out_dir: Path, sweep: str, schedule: str, lr: float,
+           inputs: dict) -> list[dict]:
     runs: dict = {}  # run name -> rows it serves
     for r in rows:
         size = f"n{r['params']:.3g}".replace("+", "")
@@ -158,13 +239,14 @@ def _write(base: Config, rows: list[dict], out_dir: Path, sweep: str, schedule: 
         r["name"] = f"c{r['budget']:.3g}-{size}".replace("+", "")
         r["run"] = run
         runs.setdefault(run, []).append(r)
-    manifest = []
+    manifest, texts = [], {}
     for run, members in runs.items():
         args = members[0]["args"]
         steps = max(m["steps"] for m in members)
         d = base.to_dict()
         d["model"] = dataclasses.asdict(args)
-        d["train"].update(max_steps=steps, run_dir=str(out_dir / "runs" / run))
+        d["train"].update(max_steps=steps, run_dir=f"../runs/{run}")  # relative to the config: a copy is whole
+        d["checkpoint"]["every_minutes"] = base.checkpoint.every_minutes or SAVE_MINUTES
         d["optimizer"]["lr"] = lr or base.optimizer.lr * math.sqrt(base.model.dim / args.dim if base.model.dim else 1)
         shortest = min(m["steps"] for m in members)  # a run's own end, or its first decay branch's
         d["schedule"].update(warmup_steps=max(1, min(base.schedule.warmup_steps, shortest // 10)), decay_steps=0,
@@ -172,18 +254,28 @@ def _write(base: Config, rows: list[dict], out_dir: Path, sweep: str, schedule: 
                              decay_points=sorted(m["steps"] for m in members if m["steps"] < steps))
         d["logging"].update(group=sweep, name=f"{sweep}/{run}")
         d["scaling"] = {"sweep": sweep, "budgets": sorted(m["budget"] for m in members)}
-        path = out_dir / "configs" / f"{run}.yaml"
-        path.write_text(yaml.safe_dump(d, sort_keys=False))
-        load_config(str(path))  # every config written is one `pretrain train` accepts
+        texts[f"configs/{run}.yaml"] = yaml.safe_dump(d, sort_keys=False)
         for m in members:
             manifest.append({"name": m["name"], "budget": m["budget"], "params": m["params"], "tokens": m["tokens"],
-                             "flops": m["flops"], "config": str(path), "run": run, "steps": steps,
+                             "flops": m["flops"], "config": f"configs/{run}.yaml", "run": run, "steps": steps,
                              "end_step": m["steps"], "dim": args.dim, "n_layers": args.n_layers})
+    with tempfile.TemporaryDirectory() as tmp:  # every config is one `pretrain train` accepts, before any is written
+        (Path(tmp) / "configs").mkdir()
+        for rel, text in texts.items():
+            (Path(tmp) / rel).write_text(text)
+            load_config(str(Path(tmp) / rel))
     manifest.sort(key=lambda m: (m["budget"], m["params"]))
-    with open(out_dir / MANIFEST, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(manifest)
+    try:
+        (out_dir / "configs").mkdir(parents=True, exist_ok=True)
+        for rel, text in texts.items():
+            (out_dir / rel).write_text(text)
+        (out_dir / PLAN).write_text(json.dumps({"hash": _plan_hash(inputs), "inputs": inputs}, indent=1))
+        with open(out_dir / MANIFEST, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            w.writerows(manifest)
+    except OSError as e:
+        raise ConfigError(f"--out {out_dir}: {e.strerror} ({e.filename})") from None
     return manifest
 
 
@@ -194,11 +286,60 @@ def read_manifest(sweep_dir: str | Path) -> list[dict]:
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     for r in rows:
+        r["config"] = str(Path(sweep_dir).absolute() / r["config"])  # relative to the sweep (an absolute one stays)
         for k in ("budget", "flops"):
             r[k] = float(r[k])
         for k in ("params", "tokens", "steps", "end_step", "dim", "n_layers"):
             r[k] = int(r[k])
     return rows
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _incidental(key: str) -> bool:
+    return key.removeprefix("config.").startswith(INCIDENTAL)  # (a plan's base config is under "config")
+
+
+def differences(old: dict, new: dict) -> list[str]:
+    """What differs between two (nested) configs or plans, as `key: old -> new`, incidental fields
+    left out."""
+    a, b = _flat(old), _flat(new)
+    keys = [k for k in sorted(a.keys() | b.keys()) if not _incidental(k)]
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+def trained_config(run_dir: Path) -> dict | None:
+    """The config a run was last trained under: its newest complete checkpoint's (else the run
+    dir's config.yaml); None if it never started."""
+    from pretrain.checkpoint import complete_checkpoints
+
+    done = complete_checkpoints(run_dir / "checkpoints")
+    path = done[-1] / "config.yaml" if done else run_dir / "config.yaml"
+    return yaml.safe_load(path.read_text()) if path.is_file() else None
+
+
+def check_runs(sweep_dir: Path, rows: list[dict]) -> None:
+    """Refuse runs trained under another config than the one planned for them (a re-planned or
+    edited sweep, a run trained by hand), naming the first difference."""
+    bad = []
+    for run, config in {r["run"]: r["config"] for r in rows}.items():
+        trained = trained_config(sweep_dir / "runs" / run)
+        if trained is not None:
+            diff = differences(trained, load_config(config).to_dict())
+            if diff:
+                bad.append(f"{run} ({diff[0]}{', ...' if len(diff) > 1 else ''})")
+    if bad:
+        raise ConfigError(f"{sweep_dir}: {len(bad)} run(s) were trained under another config than the one planned, "
+                          f"e.g. {bad[0]} (trained -> planned): move runs/{bad[0].split()[0]} aside to retrain it, "
+                          "or plan again with --replace")
 
 
 def table(rows: list[dict]) -> str:

@@ -11,10 +11,12 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
 
+from pretrain.errors import UserError
 from pretrain.scaling import fit as F
 
 
@@ -25,15 +27,24 @@ def plot(points: list[F.Point], iso: dict, law: dict, out: str, budget: float = 
     import matplotlib.pyplot as plt
 
     out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # (an existing file included)
+        raise UserError(f"--out {out}: {e.strerror}: give a directory for the PNGs") from None
+    if not os.access(out_dir, os.W_OK):
+        raise UserError(f"--out {out}: not writable")
     groups = F.budget_groups(points)
     colors = plt.cm.viridis(np.linspace(0, 0.9, len(groups)))
     paths = []
 
     fig, ax = plt.subplots(figsize=(7, 5))
-    for (c, group), color, m in zip(groups.items(), colors, iso["minima"]):
+    minima = {m["budget"]: m for m in iso["minima"]}
+    for (c, group), color in zip(groups.items(), colors):
         n = np.array([p.params for p in group])
         ax.scatter(n, [p.loss for p in group], color=color, label=f"C = {c:.2g}")
+        m = minima.get(c)
+        if m is None:  # (fewer than 3 sizes: no parabola)
+            continue
         xs = np.geomspace(n.min() / 1.3, n.max() * 1.3, 100)
         a, b, k = m["parabola"]
         ax.plot(xs, a * np.log(xs) ** 2 + b * np.log(xs) + k, color=color, lw=1)

@@ -3,17 +3,23 @@ with the columns params,tokens,loss (optional: budget, name), so runs from elsew
 ones included, can be fitted too.
 
 A run's loss is its final `eval/loss`; a WSD-S run gives one point per decay branch
-(`branch/eval_loss`, logged at the branch's end) plus its own end.
+(`branch/eval_loss`, logged at the branch's end) plus its own end. A run dir of a sweep keeps its
+planned budgets (`scaling.budgets` in its config), so run dirs and their sweep dir give the same
+points; other run dirs have no budget (grouped by 6 N D). A point given twice (a sweep dir and one
+of its run dirs) is counted once.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 from pathlib import Path
 
 from pretrain.scaling.fit import FitError, Point
+
+log = logging.getLogger(__name__)
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -35,12 +41,19 @@ def run_losses(run_dir: Path) -> dict[int, float]:
 
 
 def from_sweep(sweep_dir: Path) -> list[Point]:
-    from pretrain.scaling.plan import read_manifest
+    from pretrain.config import load_config
+    from pretrain.scaling.plan import check_runs, read_manifest
+    from pretrain.scaling.run import finished
 
+    rows = read_manifest(sweep_dir)
+    check_runs(sweep_dir, rows)
     points, missing = [], []
-    for row in read_manifest(sweep_dir):
+    for row in rows:
         losses = run_losses(sweep_dir / "runs" / row["run"])
         if row["end_step"] not in losses:
+            if finished(sweep_dir / "runs" / row["run"], row["steps"]) and not load_config(row["config"]).data.validation:
+                raise FitError(f"{sweep_dir}: {row['run']} ran to its end but has no eval loss: its config has no "
+                               "data.validation (plan the sweep again from a config with held-out data)")
             missing.append(f"{row['name']} (no eval loss at step {row['end_step']})")
             continue
         points.append(Point(row["params"], row["tokens"], losses[row["end_step"]], row["budget"], row["name"]))
@@ -54,7 +67,7 @@ def from_run(run_dir: Path) -> list[Point]:
     import yaml
 
     from pretrain.config import config_from_dict
-    from pretrain.model.model import flops_per_token, matmul_params
+    from pretrain.model.model import matmul_params
 
     cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
     if not cfg.model.vocab_size:
@@ -64,11 +77,13 @@ def from_run(run_dir: Path) -> list[Point]:
     if cfg.train.max_steps not in losses:
         raise FitError(f"{run_dir} is unfinished: no eval loss at its last step {cfg.train.max_steps} "
                        "(resume it with checkpoint.resume=auto; runs without data.validation cannot be fitted)")
-    ends = [cfg.train.max_steps, *cfg.schedule.decay_points]
+    ends = sorted({cfg.train.max_steps, *cfg.schedule.decay_points})
+    # A sweep's run: its planned budgets, in the order of its ends (a larger budget trains longer).
+    # Else no budget: its spent FLOPs would be a budget of its own, one size each.
+    budgets = sorted(cfg.scaling.budgets) if len(cfg.scaling.budgets) == len(ends) else [0.0] * len(ends)
     n = matmul_params(cfg.model)
-    fpt = flops_per_token(cfg.model, cfg.data.seq_len)
-    return [Point(n, s * tokens_per_step, losses[s], s * tokens_per_step * fpt, f"{run_dir.name}@{s}")
-            for s in ends if s in losses]
+    return [Point(n, s * tokens_per_step, losses[s], c, f"{run_dir.name}@{s}")
+            for s, c in zip(ends, budgets) if s in losses]
 
 
 def from_csv(path: Path) -> list[Point]:
@@ -102,6 +117,11 @@ def collect(inputs: list[str]) -> list[Point]:
             raise FitError(f"{spec}: not a sweep dir (manifest.csv), a run dir (config.yaml) or a .csv of points")
     if not points:
         raise FitError("no points to fit")
+    unique = {(p.params, p.tokens, p.loss): p for p in points}
+    if len(unique) < len(points):
+        log.warning("warning: %d point(s) given twice (a sweep dir and its run dirs?): counted once",
+                    len(points) - len(unique))
+        points = list(unique.values())
     bad = [p for p in points if not math.isfinite(p.loss)]
     if bad:
         raise FitError(f"{bad[0].name} has loss {bad[0].loss}: a diverged run cannot be fitted; rerun it with a lower "

@@ -3,17 +3,21 @@
 A finished run (its last checkpoint is at its last step) is skipped; an interrupted one resumes
 (`checkpoint.resume=auto`). Each run is a fresh `pretrain train` process (under torchrun with
 --nproc > 1). `--index I` runs only the I-th run (what slurm/scaling_sweep.sbatch's array task I
-does), and `--config-of I` prints its config path for the batch script.
+does), and `--config-of I` prints its config path for the batch script. Runs trained under
+another config than the one planned for them are refused before anything trains (plan.check_runs).
+Ctrl-C stops the run in training after it saves (the trainer handles SIGINT as SIGTERM), then the
+sweep.
 """
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from pretrain.errors import ConfigError, UserError
-from pretrain.scaling.plan import read_manifest
+from pretrain.scaling.plan import check_runs, read_manifest
 
 
 def planned_runs(sweep_dir: Path) -> list[dict]:
@@ -22,6 +26,18 @@ def planned_runs(sweep_dir: Path) -> list[dict]:
     for row in read_manifest(sweep_dir):
         runs.setdefault(row["run"], {"run": row["run"], "config": row["config"], "steps": row["steps"]})
     return list(runs.values())
+
+
+def _train(cmd: list[str]) -> tuple[int, bool]:
+    """Run a trainer and wait for it: its exit code, and whether Ctrl-C was pressed. Ctrl-C reaches
+    the trainer too (one process group): it saves and exits 75 (torchrun may report another code),
+    so this process must not die of a KeyboardInterrupt first (subprocess.run would kill it)."""
+    pressed = []
+    previous = signal.signal(signal.SIGINT, lambda *_: pressed.append(1))
+    try:
+        return subprocess.run(cmd).returncode, bool(pressed)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def finished(run_dir: Path, steps: int) -> bool:
@@ -38,6 +54,7 @@ def run_sweep(sweep_dir: str, nproc: int = 1, index: int | None = None) -> None:
         if not 0 <= index < len(runs):
             raise ConfigError(f"--index {index}: the sweep has runs 0-{len(runs) - 1}")
         runs = [runs[index]]
+    check_runs(sweep, runs)
     failed = []
     for i, r in enumerate(runs, start=1):
         run_dir = sweep / "runs" / r["run"]
@@ -47,13 +64,13 @@ def run_sweep(sweep_dir: str, nproc: int = 1, index: int | None = None) -> None:
         print(f"[{i}/{len(runs)}] {r['run']}: training ({r['steps']} steps)", flush=True)
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] \
             if nproc > 1 else [sys.executable]
-        proc = subprocess.run([*launcher, "-m", "pretrain", "train", r["config"], "checkpoint.resume=auto"])
-        if proc.returncode == 75:  # stopped by a signal after saving: stop the sweep too, resumable
+        code, interrupted = _train([*launcher, "-m", "pretrain", "train", r["config"], "checkpoint.resume=auto"])
+        if code == 75 or interrupted:  # stopped by a signal after saving: stop the sweep too, resumable
             e = UserError(f"{r['run']} was stopped by a signal (checkpoint saved): run the sweep again to resume")
             e.exit_code = 75
             raise e
-        if proc.returncode:
-            failed.append(f"{r['run']} (exit {proc.returncode})")
+        if code:
+            failed.append(f"{r['run']} (exit {code})")
     if failed:
         raise UserError(f"{len(failed)} run(s) failed: {', '.join(failed)}; the others are done. Fix the cause, then "
                         f"run `pretrain scaling run {sweep_dir}` again (finished runs are skipped)")
@@ -65,6 +82,7 @@ def config_of(sweep_dir: str, index: int) -> str:
     if not 0 <= index < len(runs):
         raise ConfigError(f"--config-of {index}: the sweep has runs 0-{len(runs) - 1}")
     r = runs[index]
+    check_runs(Path(sweep_dir), [r])
     if finished(Path(sweep_dir) / "runs" / r["run"], r["steps"]):
         print(f"{r['run']}: finished, nothing to do", file=sys.stderr)  # stdout is the config path, for scripts
         return ""
