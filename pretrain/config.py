@@ -104,6 +104,18 @@ class DistributedConfig:
     offload_optimizer: bool = False  # ZeRO optimizer state on CPU memory
     grad_dtype: str = "fp32"  # bf16 runs: dtype gradients accumulate over micro-batches and reduce across ranks in: fp32 | bf16 (half the traffic, inexact; docs/performance.md)
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU (0 = from the device type)
+    timeout_s: float = 1800.0  # a collective (NCCL, gloo) waiting this long for a peer fails the run
+
+
+@dataclass
+class ResilienceConfig:
+    """Faults at scale (docs/reliability.md)."""
+
+    hang_timeout_s: float = 0.0  # a rank without progress this long: stacks, one line naming it, exit 4 (0 = learned: 5x the longest step, at least 300 s)
+    spike_sigma: float = 6.0  # drop the update of a step whose loss or gradient norm exceeds mean + this many std (0 = off)
+    spike_window: int = 128  # applied steps the mean and std are over
+    spike_warmup: int = 64  # applied steps before spikes are looked for
+    straggler_warn: float = 1.2  # warn when a rank is busy this many times the median rank's for 3 log steps in a row (0 = never)
 
 
 @dataclass
@@ -125,6 +137,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -190,6 +203,20 @@ class Config:
             out.append(f"schedule.min_lr={s.min_lr} is above optimizer.lr={self.optimizer.lr}")
         if not (math.isfinite(self.checkpoint.every_minutes) and self.checkpoint.every_minutes >= 0):
             out.append(f"checkpoint.every_minutes={self.checkpoint.every_minutes} must be a number >= 0 (0 = off)")
+        hang, timeout = self.resilience.hang_timeout_s, self.distributed.timeout_s
+        if not (math.isfinite(timeout) and timeout > 0):
+            out.append(f"distributed.timeout_s={timeout} must be a number > 0")
+        elif not (math.isfinite(hang) and 0 <= hang < timeout):
+            out.append(f"resilience.hang_timeout_s={hang} must be >= 0 (0 = learned) and below distributed.timeout_s="
+                       f"{timeout}, so that the watchdog names the hanging rank before a collective times out")
+        r = self.resilience
+        if not (math.isfinite(r.spike_sigma) and r.spike_sigma >= 0) or r.spike_window < 2 or r.spike_warmup < 2 \
+                or r.spike_warmup > r.spike_window:
+            out.append(f"resilience.spike_sigma={r.spike_sigma} must be >= 0 (0 = off), spike_window="
+                       f"{r.spike_window} and spike_warmup={r.spike_warmup} >= 2 with the warmup at most the window")
+        if not (math.isfinite(self.resilience.straggler_warn) and (self.resilience.straggler_warn == 0
+                                                                  or self.resilience.straggler_warn > 1)):
+            out.append(f"resilience.straggler_warn={self.resilience.straggler_warn} must be > 1 (or 0 = never)")
         if self.checkpoint.keep_last < 1:
             out.append("checkpoint.keep_last must be >= 1 (a run always keeps its latest checkpoint)")
         d = self.distributed

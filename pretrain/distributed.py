@@ -12,6 +12,7 @@ every CPU test and crash on the first multi-GPU run; `all_reduce` refuses one on
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from dataclasses import dataclass
@@ -66,9 +67,10 @@ def _device_index(local_rank: int, visible: int) -> int:
                       "process all of the node's GPUs or exactly one")
 
 
-def init(backend: str = "auto") -> Dist:
+def init(backend: str = "auto", timeout_s: float = 1800.0) -> Dist:
     """Join (or, alone, create) the process group with `backend` (distributed.backend: auto = nccl
-    on CUDA, gloo on CPU) and pick this rank's device."""
+    on CUDA, gloo on CPU) and pick this rank's device. A collective of any group that waits
+    `timeout_s` for a peer fails (distributed.timeout_s)."""
     if backend == "nccl" and not torch.cuda.is_available():
         from pretrain.errors import ConfigError
 
@@ -93,15 +95,16 @@ def init(backend: str = "auto") -> Dist:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)
     global _CPU_GROUP, _CHECKPOINT_GROUP
     global _DEVICE_TYPE
     _DEVICE_TYPE = device.type
     if dist.get_world_size() > 1:
         # Host-to-host agreement (stop signals) without touching a GPU: a gloo group beside nccl.
-        _CPU_GROUP = dist.new_group(backend="gloo") if backend != "gloo" else None
+        _CPU_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
         # The background checkpoint thread's own group: never interleaved with training collectives.
-        _CHECKPOINT_GROUP = dist.new_group(backend="gloo")
+        _CHECKPOINT_GROUP = dist.new_group(backend="gloo", timeout=timeout)
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 

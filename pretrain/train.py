@@ -6,7 +6,8 @@ the process group are closed on every way out. The Trainer (trainer.py) does the
 owns signals, exit codes and the Slurm requeue.
 
 Exit codes: 0 done; 2 a user error (config, data, checkpoint, run dir, a failed save); 3 a
-non-finite step with train.on_nonfinite=stop (or too many in a row with skip); 75 stopped by
+non-finite step with train.on_nonfinite=stop (or too many in a row with skip); 4 a rank hung
+(pretrain/resilience.py: its watchdog named it and wrote the stacks); 75 stopped by
 SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) (after saving a checkpoint when a step had been trained;
 resume with checkpoint.resume=auto).
 
@@ -22,6 +23,8 @@ import signal
 import subprocess
 import sys
 import time
+
+from pretrain.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,9 @@ def run(config_path: str, overrides: list[str], stop: StopSignal) -> int:
     from pretrain.config import load_config
 
     cfg = load_config(config_path, overrides)
+    from pretrain import faults
+
+    faults.from_env()  # a bad PRETRAIN_FAULT is one line before anything starts
     if stop.received:
         log.info("pretrain: %s; exiting with %d", StoppedAtStartup(stop.received), EXIT_PREEMPTED)
         return EXIT_PREEMPTED
@@ -98,16 +104,26 @@ def run(config_path: str, overrides: list[str], stop: StopSignal) -> int:
 
     # torch.distributed warns at every ZeRO-3 collective that DeepSpeed still calls by its old name.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    env = distributed.init(cfg.distributed.backend)
+    env = distributed.init(cfg.distributed.backend, cfg.distributed.timeout_s)
     setup_logging(env.rank)
+    code, why = 1, "an error"
     try:
         cfg.validate(env.world_size)
         summary = _train(cfg, env, stop)
+        code, why = (EXIT_PREEMPTED, "stopped by a signal") if summary is None else (0, "done")
     except StoppedAtStartup as e:
         log.info("pretrain: %s; exiting with %d", e, EXIT_PREEMPTED)
+        code, why = EXIT_PREEMPTED, str(e)
         return EXIT_PREEMPTED
+    except UserError as e:
+        code, why = e.exit_code, str(e)
+        raise
     finally:
         distributed.shutdown()
+        if env.is_main:
+            from pretrain.resilience import record_exit
+
+            record_exit(code, why)
     if summary is None:  # stopped by a signal after saving
         return EXIT_PREEMPTED
     trained = (f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"

@@ -16,10 +16,11 @@ import time
 import torch
 
 import data_pipeline as dp
-from pretrain import distributed
+from pretrain import distributed, faults
 from pretrain.errors import UserError
 from pretrain.metrics import MetricLogger, memory_stats, peak_flops
 from pretrain.parallelize import trainer_clips
+from pretrain.resilience import Spikes
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class Trainer:
         self.skipped = 0  # steps whose update was dropped (non-finite loss or gradient norm)
         self.skipped_in_a_row = 0
         self.loss_scale_skips = 0  # fp16: steps DeepSpeed dropped to lower the loss scale (not failures)
+        self.spike_skips = 0  # steps dropped as loss or gradient-norm spikes (resilience.spike_sigma)
         self.fp16 = precision == "fp16"
         self.saved_step = -1  # step of the newest checkpoint of this run (no second save of a step)
         self.saved_at = time.monotonic()  # when the newest save started (checkpoint.every_minutes)
@@ -71,17 +73,24 @@ class Trainer:
         self._drop_update = False  # this step's update was dropped for a non-finite loss
         self._grad_nonfinite = False  # the update was dropped for a non-finite gradient norm
         self._stats = self._host_stats = None  # this step's reduced losses: on the device, and once read
+        self.faults = faults.Injector(faults.from_env(), env.rank, ckpt.run.path)  # PRETRAIN_FAULT (docs/reliability.md)
+        self.watchdog = self.stragglers = None  # pretrain/resilience.py, while fit() runs
+        r = cfg.resilience
+        self.spikes = Spikes(r.spike_sigma, r.spike_window, r.spike_warmup)
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # torch AdamW inside ZeRO
         inner.step = self._guarded(inner.step, inner)
 
     # -- state that survives a restart
     def state_dict(self) -> dict:
         return {"step": self.step, "skipped": self.skipped, "branches": self.branches,
-                "loss_scale_skips": self.loss_scale_skips}
+                "loss_scale_skips": self.loss_scale_skips, "spike_skips": self.spike_skips,
+                "spikes": self.spikes.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.skipped = state["step"], state.get("skipped", 0)
         self.loss_scale_skips = state.get("loss_scale_skips", 0)
+        self.spike_skips = state.get("spike_skips", 0)
+        self.spikes.load_state_dict(state.get("spikes", {}))
         self.branches = dict(state.get("branches", {}))
         self.saved_step = self.step
 
@@ -111,6 +120,9 @@ class Trainer:
             if not math.isfinite(norm_value) or norm_value < 0:  # DeepSpeed masks a NaN/Inf group norm to -1
                 self._grad_nonfinite = True
                 return None
+            self._spike = self.spikes.check(loss_sum / (self.accum * self.env.world_size), norm_value)
+            if self._spike:  # (the same on every rank: the loss and the norm are global)
+                return None
             if self.clip and params:  # (it takes the parameters, and scales their .grad)
                 torch.nn.utils.clip_grads_with_norm_(params, self.clip, norm)
             return step(*args, **kwargs)
@@ -122,10 +134,18 @@ class Trainer:
         step where DeepSpeed skipped the update itself and the guard never ran."""
         if self._host_stats is None:
             parts = [self._stats] if norm is None else [self._stats, torch.as_tensor(norm).reshape(1).to(self._stats)]
+            self._mark("collective")  # on a GPU, the wait for the step's reductions is here
             self._host_stats = torch.cat(parts).tolist()
+            self._mark("optimizer")
         return self._host_stats
 
+    def _mark(self, phase: str) -> None:
+        """This rank enters `phase` of the step being trained (the watchdog names it if it hangs)."""
+        if self.watchdog is not None:
+            self.watchdog.mark(phase, self.step + 1)
+
     def _next_batch(self):
+        self._mark("data")
         t0 = time.perf_counter()
         batch = next(self.data_iter)
         self.timers["data"] += time.perf_counter() - t0
@@ -141,19 +161,26 @@ class Trainer:
             group["lr"] = lr
         self.lr = lr
         self._drop_update = self._grad_nonfinite = False
+        self._spike = ""
         self._host_stats = None
         losses = torch.zeros(self.accum, device=self.env.device)
         for i in range(self.accum):
             inputs, labels = self._next_batch()
+            self._mark("forward/backward")
+            self.faults.at_forward(self.step + 1, i == 0)
             t0 = time.perf_counter()
             loss = self.engine(inputs, labels, loss_chunk=self.cfg.train.loss_chunk_tokens)  # mean over tokens
+            loss = self.faults.loss(loss, self.step + 1)
             losses[i] = loss.detach()
             if i == self.accum - 1:  # queued on the device; read by _read_stats
                 self._stats = torch.stack([losses.sum(), (~torch.isfinite(losses)).sum().float()])
+                self._mark("collective")
                 distributed.all_reduce(self._stats)
+                self._mark("forward/backward")
             # Backward runs even for a bad micro-batch: ZeRO's backward and step are collective and
             # expect gradients; the update itself is dropped by _guarded.
             self.engine.backward(loss)
+            self._mark("optimizer")
             self.engine.step()
             self.timers["compute"] += time.perf_counter() - t0
         loss_sum, bad = self._read_stats()[:2]
@@ -170,20 +197,31 @@ class Trainer:
         if grad_bad and not self._drop_update:
             self._nonfinite(f"gradient norm is {self._norm()}", after_step=True)
         self.step += 1
-        if self._drop_update or grad_bad:
+        if self._spike:
+            self.spike_skips += 1
+            self.skipped_in_a_row += 1
+            log.warning("warning: step %d is a spike (%s): its update was dropped (%d in all)", self.step,
+                        self._spike, self.spike_skips)
+            self._stop_if_diverging()
+        elif self._drop_update or grad_bad:
             self.skipped += 1
             self.skipped_in_a_row += 1
-            limit = self.cfg.train.max_consecutive_skips
             log.warning("warning: step %d is not finite: its update was dropped (%d in a row, %d in all)",
                         self.step, self.skipped_in_a_row, self.skipped)
-            if limit and self.skipped_in_a_row >= limit:
-                raise NonFiniteStep(
-                    f"{self.skipped_in_a_row} non-finite steps in a row (train.max_consecutive_skips="
-                    f"{limit}), the last at step {self.step}: the run is diverging; the last checkpoint is "
-                    "intact: lower optimizer.lr, then resume with checkpoint.resume=auto")
+            self._stop_if_diverging()
         else:
             self.skipped_in_a_row = 0
+            if len(self._host_stats) == 3:  # (the guard read the norm: the update was applied)
+                self.spikes.accept(loss_sum / (self.accum * self.env.world_size), self._host_stats[2])
         return loss_sum / (self.accum * self.env.world_size)
+
+    def _stop_if_diverging(self) -> None:
+        limit = self.cfg.train.max_consecutive_skips
+        if limit and self.skipped_in_a_row >= limit:
+            raise NonFiniteStep(
+                f"{self.skipped_in_a_row} dropped steps in a row (non-finite or spikes; train.max_consecutive_skips="
+                f"{limit}), the last at step {self.step}: the run is diverging; the last checkpoint is "
+                "intact: lower optimizer.lr, then resume with checkpoint.resume=auto")
 
     def _loss_scale(self) -> float:
         opt = self.engine.optimizer
@@ -207,6 +245,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Mean loss and perplexity over the fixed validation batches (the same in every run)."""
+        self._mark("eval")
         self.engine.eval()
         sums = torch.zeros(2, device=self.env.device, dtype=torch.float64)
         for batch in self.val_batches:
@@ -220,6 +259,7 @@ class Trainer:
 
     def save(self, wait: bool = False) -> None:
         """Start a checkpoint of this step (written in the background); with `wait`, also finish it."""
+        self._mark("save")
         if self.saved_step != self.step:
             self.saved_at = time.monotonic()
             self.logger.log({"checkpoint/blocking_s": self.ckpt.save(self.step)}, self.step)
@@ -235,6 +275,27 @@ class Trainer:
 
     # -- the loop
     def fit(self) -> dict:
+        self.watchdog = self._start_watchdog()
+        try:
+            return self._fit()
+        finally:
+            self.watchdog.close()
+            self.watchdog = None
+
+    def _start_watchdog(self):
+        """The watchdog and the straggler report: every rank's host, and one name for this start's
+        hang reports (collective)."""
+        import socket
+
+        from pretrain.resilience import Stragglers, Watchdog
+
+        names = distributed.all_gather_objects((socket.gethostname(), time.strftime("%Y%m%d-%H%M%S")))
+        hosts, r = [h for h, _ in names], self.cfg.resilience
+        self.stragglers = Stragglers(hosts, r.straggler_warn)
+        return Watchdog(self.ckpt.run.path / "hangs" / names[0][1], self.env.rank, hosts, r.hang_timeout_s,
+                        self.cfg.distributed.timeout_s)
+
+    def _fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
         self.data_iter = iter(self.loader)
         progress = _progress(self.env.is_main and cfg.logging.progress, self.step, t.max_steps)
@@ -252,6 +313,7 @@ class Trainer:
                     self.timers = timers
                 step_start = time.perf_counter()
                 loss = self.train_step()
+                self.watchdog.step_took(time.perf_counter() - step_start)
                 if self.cfg.train.compile and first_loss is None:
                     log.info("train.compile: the first step (compiling) took %.1f s", time.perf_counter() - step_start)
                 losses.append(loss)
@@ -274,6 +336,7 @@ class Trainer:
                 # any (clocks differ), so that all stop and save at the same step.
                 minutes = cfg.checkpoint.every_minutes
                 due = bool(minutes) and time.monotonic() - self.saved_at >= 60 * minutes
+                self._mark("collective")
                 signum, save_failed, due = distributed.agree_max([self.stop.received or 0, self.ckpt.save_failed(),
                                                                   int(due)])
                 if save_failed:
@@ -322,6 +385,7 @@ class Trainer:
         finally:
             self.decay_end = None
         self.data_iter = None  # its workers stop; the restored position gets a fresh iterator
+        self._mark("branch")
         self.ckpt.restore(Start("resume", self.ckpt.run.run_id, path, read_meta(path), start))
         self.branches[str(end)] = result
         self.data_iter = iter(self.loader)
@@ -376,6 +440,7 @@ class Trainer:
             "train/lr": self.lr,
             "train/grad_norm": self._norm(),
             "train/skipped_steps": self.skipped,
+            "train/spike_skips": self.spike_skips,
             **({"train/loss_scale_skips": self.loss_scale_skips, "train/loss_scale": self._loss_scale()}
                if self.fp16 else {}),
             "perf/step_time_s": elapsed / steps,
@@ -388,6 +453,7 @@ class Trainer:
         if self.peak:
             record["perf/mfu"] = per_device * self.flops_per_token / self.peak
         record.update(self.data_metrics())
+        record.update(self.stragglers(distributed.all_gather_objects(elapsed * self.watchdog.busy_share())))
         self.timers = dict.fromkeys(self.timers, 0.0)
         self.logger.log(record, self.step)
         mfu = f" mfu {record['perf/mfu']:.1%}" if "perf/mfu" in record else ""

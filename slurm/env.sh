@@ -60,6 +60,13 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cpus_per_proc > 0 ? cpus_per_proc 
 # NCCL prints warnings only; set INFO (and NCCL_DEBUG_SUBSYS=INIT,NET) to see which network
 # it chose: the first thing to look at when a multi-node job hangs at start or is slow.
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+# A collective that times out (distributed.timeout_s): torch's NCCL watchdog aborts the communicator
+# and ends the process instead of leaving it stuck (1), after dumping its flight recorder - each
+# rank's last 2000 collectives - to TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank> (default /tmp/nccl_trace_rank_,
+# on each node). Our own watchdog (docs/reliability.md) normally fires first and names the rank.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
 # Site-specific, usually set by the cluster's modules; uncomment and adapt if NCCL picks the wrong
 # network (e.g. an Ethernet management interface instead of InfiniBand):
 # export NCCL_SOCKET_IFNAME=ib0       # interface for NCCL's bootstrap and socket transport

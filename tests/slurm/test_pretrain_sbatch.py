@@ -96,7 +96,7 @@ def test_two_nodes_train_one_model(plain_job):
     line = launch_line(r.output)
     # Rendezvous on the first node, on a port of this job's own.
     port = 15000 + r.job_id % 15000
-    assert f"--rdzv-endpoint=node1:{port} --rdzv-id={r.job_id}" in line
+    assert f"--rdzv-endpoint=node1:{port} --rdzv-id={r.job_id}-0" in line
     assert "--nnodes=2 --nproc-per-node=1" in line
     # A rerun resumes; the user's overrides come after, so they can still say otherwise.
     assert line.endswith(f"-m pretrain train {CONFIG} checkpoint.resume=auto {' '.join(FAST)} "
@@ -231,6 +231,34 @@ def test_failure_inside_training_fails_the_job(slurm_cluster, tmp_path):
     assert errors == [f"pretrain: error: checkpoint {missing} does not exist"], tail(r.output)
     assert not re.search(r'File ".*/pretrain/', r.output), tail(r.output)
     assert "done:" not in r.output
+
+
+# --------------------------------------------------------------- hangs and crashes -> restart
+
+@pytest.mark.parametrize("fault,what", [("hang@rank=1,step=5", "a hang"), ("crash@rank=0,step=7", "a crash")])
+def test_a_hang_or_a_crash_restarts_inside_the_allocation(slurm_cluster, plain_job, tmp_path, fault, what):
+    """PRETRAIN_FAULT on the 2-node cluster: rank 1 hangs in step 5 (its watchdog names it and every
+    rank exits 4), or rank 0 is killed in step 7 (nothing recorded). The job step runs again in the
+    same allocation, resumes from the checkpoint of step 4 and finishes: every step logged once
+    after the checkpoint it resumed from, and the same losses as the plain job's."""
+    steps = PLAIN_STEPS
+    r = slurm_cluster.submit(SCRIPT, [CONFIG, *FAST, f"train.max_steps={steps}", "logging.wandb=disabled",
+                                      "checkpoint.every=4", "resilience.hang_timeout_s=8",
+                                      f"train.run_dir={tmp_path}"],
+                             env={**CPU_ENV, "PRETRAIN_FAULT": fault}, sbatch_opts=CPU_JOB, timeout=300)
+    assert r.returncode == 0, tail(r.output)
+    assert len(re.findall(r"^restart 1 of 3 in this allocation after " + what, r.output, re.M)) == 1, tail(r.output)
+    if what == "a hang":
+        hangs = [x for x in r.output.splitlines() if x.startswith("pretrain: hang at step 5")]
+        assert len(hangs) == 1 and "rank 1 (host node2, in forward/backward of step 5)" in hangs[0], tail(r.output)
+    assert re.search(r"^resumed from .*step_00000004 at step 4$", r.output, re.M), tail(r.output)
+    assert re.search(rf"^done: {steps} steps", r.output, re.M)
+    logged = train_steps(tmp_path)
+    if what == "a hang":
+        assert logged == list(range(1, steps + 1))  # every step once
+    else:  # the killed start may have logged steps 5 and 6 (or lost them with its buffers)
+        assert logged[:4] == [1, 2, 3, 4] and logged[-(steps - 4):] == list(range(5, steps + 1)), logged
+    assert losses(tmp_path) == losses(plain_job.run_dir)  # (a step logged twice: the later record)
 
 
 # ------------------------------------------------------------------------------------- scancel

@@ -1,0 +1,113 @@
+"""Fault injection for tests and drills: `PRETRAIN_FAULT`, off unless set (docs/reliability.md).
+
+    PRETRAIN_FAULT="hang@rank=1,step=5"            rank 1 stops making progress in step 5's forward
+    PRETRAIN_FAULT="slow@rank=1,seconds=0.3"       rank 1 sleeps 0.3 s in every step (from step=, default 1)
+    PRETRAIN_FAULT="crash@rank=0,step=9"           rank 0 dies (SIGKILL) in step 9
+    PRETRAIN_FAULT="nan@step=7"                    step 7's loss is NaN (on rank=, default every rank)
+    PRETRAIN_FAULT="spike@step=12,factor=1000"     step 12's loss, so its gradient, x factor (finite)
+
+Several are separated by `;`. A bad value is one line and exit 2. `rank` and `step` (the 1-based
+step being trained, as logged) select where a fault fires; without `rank`, every rank. A fault of
+one step fires once per run dir (a marker in RUN/faults/): the resume after it, or a restart of the
+job, trains through that step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from pathlib import Path
+
+from pretrain.errors import ConfigError
+
+ENV = "PRETRAIN_FAULT"
+# kind -> (required keys, optional keys with defaults)
+KINDS = {"hang": ({"step"}, {"rank": -1}), "slow": ({"seconds"}, {"rank": -1, "step": 1}),
+         "crash": ({"step"}, {"rank": -1}), "nan": ({"step"}, {"rank": -1}),
+         "spike": ({"step"}, {"rank": -1, "factor": 1000.0})}
+
+
+@dataclasses.dataclass
+class Fault:
+    kind: str
+    rank: int
+    step: int
+    seconds: float = 0.0
+    factor: float = 1.0
+
+    def here(self, rank: int, step: int) -> bool:
+        on_rank = self.rank in (-1, rank)
+        return on_rank and (step >= self.step if self.kind == "slow" else step == self.step)
+
+
+def parse(text: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        kind, _, args = item.partition("@")
+        if kind not in KINDS:
+            raise ConfigError(f"{ENV}={text!r}: unknown fault {kind!r}; faults: {', '.join(KINDS)} "
+                              "(e.g. hang@rank=1,step=5)")
+        required, optional = KINDS[kind]
+        values = dict(optional)
+        for pair in filter(None, (x.strip() for x in args.split(","))):
+            key, eq, value = pair.partition("=")
+            if not eq or key not in required | set(optional):
+                raise ConfigError(f"{ENV}={text!r}: {kind} takes {', '.join(sorted(required | set(optional)))} "
+                                  f"as key=value, not {pair!r}")
+            try:
+                values[key] = float(value) if key in ("seconds", "factor") else int(value)
+            except ValueError:
+                raise ConfigError(f"{ENV}={text!r}: {key}={value!r} is not a number") from None
+        missing = required - values.keys()
+        if missing:
+            raise ConfigError(f"{ENV}={text!r}: {kind} needs {', '.join(sorted(missing))}")
+        if values["step"] < 1 or values.get("seconds", 0) < 0 or values["rank"] < -1:
+            raise ConfigError(f"{ENV}={text!r}: step must be >= 1, rank >= 0, seconds >= 0")
+        faults.append(Fault(kind, **values))
+    return faults
+
+
+def from_env() -> list[Fault]:
+    """The faults of PRETRAIN_FAULT (none when unset); raises ConfigError for a bad value."""
+    return parse(os.environ.get(ENV, ""))
+
+
+class Injector:
+    """Fires the faults at the trainer's fixed points: `at_forward` before each forward of a step,
+    `loss` on each micro-batch's loss. With no faults both do nothing."""
+
+    def __init__(self, faults: list[Fault], rank: int, run_dir: Path):
+        self.faults = [(i, f) for i, f in enumerate(faults) if f.rank in (-1, rank)]
+        self.rank, self.markers = rank, run_dir / "faults"
+
+    def _fires(self, i: int, f: Fault, step: int) -> bool:
+        if not f.here(self.rank, step):
+            return False
+        if f.kind == "slow":
+            return True
+        marker = self.markers / f"{i}-{f.kind}-rank{self.rank}"
+        if marker.exists():  # fired in an earlier start of this run
+            return False
+        self.markers.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        return True
+
+    def at_forward(self, step: int, first_micro_batch: bool) -> None:
+        for i, f in self.faults:
+            if f.kind not in ("hang", "crash", "slow") or not self._fires(i, f, step):
+                continue
+            if f.kind == "hang":
+                while True:  # no progress, forever: the watchdog ends it
+                    time.sleep(1)
+            if f.kind == "crash":
+                os.kill(os.getpid(), signal.SIGKILL)  # as a lost node or the OOM killer would
+            if f.kind == "slow" and first_micro_batch:
+                time.sleep(f.seconds)
+
+    def loss(self, loss, step: int):
+        for i, f in self.faults:
+            if f.kind in ("nan", "spike") and self._fires(i, f, step):
+                loss = loss * (float("nan") if f.kind == "nan" else f.factor)
+        return loss
