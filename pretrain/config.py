@@ -115,6 +115,11 @@ class ResilienceConfig:
     spike_sigma: float = 6.0  # drop the update of a step whose loss or gradient norm exceeds mean + this many std (0 = off)
     spike_window: int = 128  # applied steps the mean and std are over
     spike_warmup: int = 64  # applied steps before spikes are looked for
+    rollback_after: int = 3  # this many spikes within rollback_window steps: roll back and skip their data (0 = never)
+    rollback_window: int = 50  # steps
+    rollback_skip_batches: int = 200  # global batches skipped from the first spike's step after a rollback
+    max_rollbacks: int = 3  # more would be needed: stop (exit 3)
+    skip_batches: list[list[int]] = field(default_factory=list)  # [[step, batches], ...]: skip batches before these steps, by hand
     straggler_warn: float = 1.2  # warn when a rank is busy this many times the median rank's for 3 log steps in a row (0 = never)
 
 
@@ -214,6 +219,11 @@ class Config:
                 or r.spike_warmup > r.spike_window:
             out.append(f"resilience.spike_sigma={r.spike_sigma} must be >= 0 (0 = off), spike_window="
                        f"{r.spike_window} and spike_warmup={r.spike_warmup} >= 2 with the warmup at most the window")
+        if r.rollback_after < 0 or r.rollback_window < 1 or r.rollback_skip_batches < 0 or r.max_rollbacks < 0:
+            out.append("resilience.rollback_after, max_rollbacks and rollback_skip_batches must be >= 0, "
+                       "rollback_window >= 1")
+        if any(not (isinstance(x, list) and len(x) == 2 and x[0] >= 1 and x[1] >= 0) for x in r.skip_batches):
+            out.append(f"resilience.skip_batches={r.skip_batches}: give [[step, batches], ...] with step >= 1")
         if not (math.isfinite(self.resilience.straggler_warn) and (self.resilience.straggler_warn == 0
                                                                   or self.resilience.straggler_warn > 1)):
             out.append(f"resilience.straggler_warn={self.resilience.straggler_warn} must be > 1 (or 0 = never)")

@@ -77,6 +77,11 @@ class Trainer:
         self.watchdog = self.stragglers = None  # pretrain/resilience.py, while fit() runs
         r = cfg.resilience
         self.spikes = Spikes(r.spike_sigma, r.spike_window, r.spike_warmup)
+        # The rollback ledger: step -> global batches skipped just before it (resilience.skip_batches,
+        # and each rollback's); the steps of recent spikes; rollbacks so far. Saved in checkpoints.
+        self.data_skips = {int(step): int(n) for step, n in r.skip_batches}
+        self.recent_spikes: list[int] = []
+        self.rollbacks = 0
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # torch AdamW inside ZeRO
         inner.step = self._guarded(inner.step, inner)
 
@@ -84,13 +89,17 @@ class Trainer:
     def state_dict(self) -> dict:
         return {"step": self.step, "skipped": self.skipped, "branches": self.branches,
                 "loss_scale_skips": self.loss_scale_skips, "spike_skips": self.spike_skips,
-                "spikes": self.spikes.state_dict()}
+                "spikes": self.spikes.state_dict(), "data_skips": {str(k): v for k, v in self.data_skips.items()},
+                "recent_spikes": self.recent_spikes, "rollbacks": self.rollbacks}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.skipped = state["step"], state.get("skipped", 0)
         self.loss_scale_skips = state.get("loss_scale_skips", 0)
         self.spike_skips = state.get("spike_skips", 0)
         self.spikes.load_state_dict(state.get("spikes", {}))
+        self.data_skips.update({int(k): v for k, v in state.get("data_skips", {}).items()})
+        self.recent_spikes = list(state.get("recent_spikes", []))
+        self.rollbacks = state.get("rollbacks", 0)
         self.branches = dict(state.get("branches", {}))
         self.saved_step = self.step
 
@@ -311,9 +320,14 @@ class Trainer:
                     self._branch(branches.pop(self.step))
                     window_start += time.perf_counter() - branch_start
                     self.timers = timers
+                if self.data_skips.get(self.step + 1):
+                    self._skip_data(self.data_skips[self.step + 1])
                 step_start = time.perf_counter()
                 loss = self.train_step()
                 self.watchdog.step_took(time.perf_counter() - step_start)
+                if self._spike and self._roll_back_if_due():
+                    window_start, window_steps, losses = time.perf_counter(), 0, []
+                    continue
                 if self.cfg.train.compile and first_loss is None:
                     log.info("train.compile: the first step (compiling) took %.1f s", time.perf_counter() - step_start)
                 losses.append(loss)
@@ -357,6 +371,58 @@ class Trainer:
             self._log_eval(summary)
         self.save(wait=True)
         return summary
+
+    def _skip_data(self, batches: int) -> None:
+        """Draw and drop `batches` global batches (each rank its share), as a rollback decided."""
+        self._mark("data")
+        for _ in range(batches * self.accum):
+            next(self.data_iter)
+        log.warning("warning: step %d: skipped %d batches of data (resilience: a rollback's or skip_batches)",
+                    self.step + 1, batches)
+
+    def _roll_back_if_due(self) -> bool:
+        """The second rung after dropping spikes (PaLM): `rollback_after` spikes within
+        `rollback_window` steps bring the run back to its newest checkpoint before the first of them,
+        and the data from that step on is skipped (`rollback_skip_batches`), as recorded in the
+        ledger. Checkpoints after it are of the abandoned timeline: moved to RUN/rolled_back/ (kept,
+        not resumed from). Past `max_rollbacks`, the run stops (exit 3)."""
+        from pretrain.checkpoint import Start, complete_checkpoints, read_meta, write_atomic
+
+        r = self.cfg.resilience
+        self.recent_spikes = [s for s in self.recent_spikes if s > self.step - r.rollback_window] + [self.step]
+        if not r.rollback_after or len(self.recent_spikes) < r.rollback_after:
+            return False
+        first = self.recent_spikes[0]
+        if self.rollbacks >= r.max_rollbacks:
+            raise NonFiniteStep(f"{len(self.recent_spikes)} spikes in steps {first}-{self.step} after "
+                                f"{self.rollbacks} rollbacks (resilience.max_rollbacks): the run is diverging; "
+                                "lower optimizer.lr, then resume with checkpoint.resume=auto")
+        self.ckpt.wait()
+        before = [p for p in complete_checkpoints(self.ckpt.root) if read_meta(p)["step"] < first]
+        if not before:
+            raise NonFiniteStep(f"{len(self.recent_spikes)} spikes in steps {first}-{self.step} and no checkpoint "
+                                "before them to roll back to: set checkpoint.every, or lower optimizer.lr")
+        path, ledger = before[-1], {**self.data_skips, first: r.rollback_skip_batches}
+        rollbacks, spikes = self.rollbacks + 1, self.spike_skips
+        log.warning("warning: %d spikes in steps %d-%d: rolling back to %s and skipping %d batches of data "
+                    "before step %d (rollback %d of at most %d)", len(self.recent_spikes), first, self.step,
+                    path.name, r.rollback_skip_batches, first, rollbacks, r.max_rollbacks)
+        distributed.barrier()  # every rank has read the checkpoints before rank 0 moves the later ones
+        if self.env.is_main:
+            aside = self.ckpt.run.path / "rolled_back"
+            for later in complete_checkpoints(self.ckpt.root):
+                if read_meta(later)["step"] > read_meta(path)["step"]:
+                    aside.mkdir(exist_ok=True)
+                    later.rename(aside / f"{later.name}.{rollbacks}")
+            write_atomic(self.ckpt.root / "latest", path.name)
+        distributed.barrier()
+        self.data_iter = None
+        self._mark("branch")
+        self.ckpt.restore(Start("resume", self.ckpt.run.run_id, path, read_meta(path), read_meta(path)["step"]))
+        self.data_skips, self.rollbacks, self.spike_skips, self.recent_spikes = ledger, rollbacks, spikes, []
+        self.data_iter = iter(self.loader)
+        self.logger.log({"train/rollbacks": rollbacks}, self.step)
+        return True
 
     def _branch(self, end: int) -> None:
         """WSD-S: from this step of the stable phase, decay to `end` on a branch, evaluate, then bring

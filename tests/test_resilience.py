@@ -158,6 +158,52 @@ def test_a_spike_is_skipped_and_the_resume_decides_the_same(tmp_path):
     assert losses(resumed) == got  # (steps 11-16: the later records)
 
 
+def _weights(run_dir, step):
+    import torch
+
+    [states] = (run_dir / "checkpoints" / f"step_{step:08d}").glob("mp_rank_00_model_states.pt")
+    return torch.load(states, map_location="cpu", weights_only=False)["module"]
+
+
+@pytest.mark.slow
+def test_spikes_in_a_row_roll_back_and_skip_their_data(tmp_path):
+    """Spikes at steps 12, 13 and 14 (3 within 5 steps): the run rolls back to its newest
+    checkpoint before step 12 (step 6; step 12's, of the abandoned timeline, is moved aside) and skips
+    4 batches before step 12. Its losses and final weights equal, bitwise, those of a run told from
+    the start to skip those batches (resilience.skip_batches); a resume from a checkpoint after the
+    rollback (its ledger says the skip is done) finishes the same."""
+    import shutil
+
+    import torch
+
+    rollback = SPIKY + ["train.max_steps=24", "resilience.rollback_after=3", "resilience.rollback_window=5",
+                        "resilience.rollback_skip_batches=4", "checkpoint.every=6"]
+    rolled, told = tmp_path / "rolled", tmp_path / "told"
+    proc = run_train(rollback + [f"train.run_dir={rolled}"],
+                     env={"PRETRAIN_FAULT": "spike@step=12;spike@step=13;spike@step=14"})
+    assert "warning: 3 spikes in steps 12-14: rolling back to step_00000006 and skipping 4 batches" in proc.stdout
+    assert (rolled / "rolled_back" / "step_00000012.1" / "manifest.json").is_file()
+    run_train(rollback + ["resilience.skip_batches=[[12,4]]", f"train.run_dir={told}"])
+    assert losses(rolled) == losses(told)
+    a, b = _weights(rolled, 24), _weights(told, 24)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["train/rollbacks"] for r in read_metrics(rolled) if "train/rollbacks" in r] == [1]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(rolled, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000024")
+    run_train(rollback + ["checkpoint.resume=auto", f"train.run_dir={resumed}"])
+    c = _weights(resumed, 24)
+    assert all(torch.equal(a[k], c[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_spikes_past_the_last_rollback_stop_the_run(tmp_path):
+    proc = run_train(SPIKY + ["resilience.rollback_after=3", "resilience.max_rollbacks=0", f"train.run_dir={tmp_path}"],
+                     env={"PRETRAIN_FAULT": "spike@step=12;spike@step=13;spike@step=14"}, check=False)
+    assert proc.returncode == 3
+    assert "3 spikes in steps 12-14 after 0 rollbacks (resilience.max_rollbacks)" in proc.stderr
+
+
 @pytest.mark.slow
 def test_a_nan_fault_stops_the_run_at_its_step(tmp_path):
     proc = run_train(BASE + [f"train.run_dir={tmp_path}"], env={"PRETRAIN_FAULT": "nan@step=3"}, check=False)
