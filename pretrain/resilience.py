@@ -114,22 +114,23 @@ class Watchdog:
             except (OSError, ValueError, IndexError, KeyError):
                 continue
         if self.rank == min(seen, default=self.rank):
-            line = verdict(seen, self.hosts, idle, self.dir)
+            line, named = verdict(seen, self.hosts, idle, self.dir)
             log.error("pretrain: %s; exiting with %d (resume with checkpoint.resume=auto)", line, EXIT_HANG)
-            record_exit(EXIT_HANG, line)
+            record_exit(EXIT_HANG, line, sorted({self.hosts[r] for r in named}))
         logging.shutdown()
         os._exit(EXIT_HANG)
 
 
-def record_exit(code: int, why: str = "") -> None:
+def record_exit(code: int, why: str = "", hosts: list[str] = ()) -> None:
     """Where slurm/pretrain.sbatch asks for it ($PRETRAIN_EXIT_FILE), how this start ended: its
-    restart loop restarts a hang (4) or a start that recorded nothing (a crash), not a user error."""
+    restart loop restarts a hang (4) or a start that recorded nothing (a crash), not a user error,
+    and leaves out a node that `hosts` (the hosts a hang named) named twice."""
     path = os.environ.get(EXIT_FILE)
     if not path:
         return
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path + ".tmp").write_text(json.dumps({"code": code, "why": why}) + "\n")
+        Path(path + ".tmp").write_text(json.dumps({"code": code, "why": why, "hosts": list(hosts)}) + "\n")
         os.replace(path + ".tmp", path)
     except OSError as e:
         log.error("pretrain: could not record the exit in %s: %s", path, e.strerror)
@@ -148,20 +149,20 @@ def _in_collective() -> bool:
     return False
 
 
-def verdict(seen: dict[int, dict], hosts: list[str], idle: float, where: Path) -> str:
-    """One line: which ranks hang, where. `seen`: rank -> the header it wrote."""
+def verdict(seen: dict[int, dict], hosts: list[str], idle: float, where: Path) -> tuple[str, list[int]]:
+    """One line: which ranks hang, where; and those ranks. `seen`: rank -> the header it wrote."""
     silent = [r for r in range(len(hosts)) if r not in seen]
     busy = [r for r, h in sorted(seen.items()) if not h["waiting"]]
     step = max((h["step"] for h in seen.values()), default=0)
     name = lambda r: f"rank {r} (host {hosts[r]}" + (f", in {seen[r]['phase']} of step {seen[r]['step']})"  # noqa: E731
                                                      if r in seen else ")")
     if silent:
-        what = f"{', '.join(map(name, silent))} did not answer (frozen, or gone)"
+        named, what = silent, f"{', '.join(map(name, silent))} did not answer (frozen, or gone)"
     elif busy:
-        what = f"{', '.join(map(name, busy))} made no progress while the others waited in a collective"
+        named, what = busy, f"{', '.join(map(name, busy))} made no progress while the others waited in a collective"
     else:
-        what = "every rank waits in a collective: a communication hang (network, NCCL)"
-    return f"hang at step {step}: no progress for {idle:.0f} s; {what}; stacks in {where}"
+        named, what = [], "every rank waits in a collective: a communication hang (network, NCCL)"
+    return f"hang at step {step}: no progress for {idle:.0f} s; {what}; stacks in {where}", named
 
 
 

@@ -111,3 +111,11 @@ def test_gloo_never_binds_lo_for_an_address_that_is_not_loopback(tmp_path):
 def test_gloo_stays_unset_without_ip_or_getent(tmp_path, missing):
     tools = tuple(t for t in ("awk", "sed", "getent", "ip") if t != missing)
     assert gloo_ifname(tmp_path, HEAD_IS_LOOPBACK, only=tools) == "unset"
+
+
+@pytest.mark.parametrize("nodes", ["0", "2", "two"])
+def test_pretrain_nodes_outside_the_allocation_is_one_line(nodes):
+    r = dry_run(CONFIG, GPUS_PER_NODE="0", PRETRAIN_NODES=nodes)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"pretrain.sbatch: PRETRAIN_NODES={nodes}: give 1 to 1 (the allocation's nodes)"]
+    assert "launch:" not in r.stdout

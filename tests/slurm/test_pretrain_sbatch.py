@@ -261,6 +261,28 @@ def test_a_hang_or_a_crash_restarts_inside_the_allocation(slurm_cluster, plain_j
     assert losses(tmp_path) == losses(plain_job.run_dir)  # (a step logged twice: the later record)
 
 
+def test_a_node_named_in_two_hangs_is_left_out_for_a_spare(slurm_cluster, tmp_path):
+    """A 2-node allocation that trains on 1 (PRETRAIN_NODES=1): rank 0, on node1, hangs in step 3
+    and, after the restart, in step 6. The second restart leaves node1 out and runs on the spare,
+    node2, and the job finishes with the losses of a run without faults."""
+    steps = 8
+    args = [*FAST, f"train.max_steps={steps}", "logging.wandb=disabled", "checkpoint.every=2",
+            "resilience.hang_timeout_s=8"]
+    r = slurm_cluster.submit(SCRIPT, [CONFIG, *args, f"train.run_dir={tmp_path / 'run'}"],
+                             env={**CPU_ENV, "PRETRAIN_NODES": "1", "PRETRAIN_FAULT": "hang@rank=0,step=3;hang@rank=0,step=6"},
+                             sbatch_opts=CPU_JOB, timeout=400)
+    assert r.returncode == 0, tail(r.output)
+    assert re.findall(r"^leaving out node (\S+): named in 2 hangs", r.output, re.M) == ["node1"], tail(r.output)
+    launches = [x for x in r.output.splitlines() if x.startswith("launch: srun ")]
+    assert len(launches) == 3 and "--nodelist=node1 " in launches[1] and "--nodelist=node2 " in launches[2]
+    assert "--rdzv-endpoint=node2:" in launches[2]
+    assert re.search(rf"^done: {steps} steps", r.output, re.M)
+    from helpers import run_train
+
+    run_train([*args, f"train.run_dir={tmp_path / 'plain'}"])
+    assert losses(tmp_path / "run") == losses(tmp_path / "plain")
+
+
 # ------------------------------------------------------------------------------------- scancel
 
 def test_scancel_signal_term_saves_and_stops_without_requeue(slurm_cluster, tmp_path):
