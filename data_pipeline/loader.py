@@ -355,18 +355,24 @@ def evaluation_windows(data_cfg: DataConfig, tokenizer=None, rank: int = 0, worl
     mine = {(j, s) for j in range(len(plan.sources)) for s in range(rank, plan.num_streams, world_size)
             if data_cfg.validation[j].weight > 0}
     epoch_before = dict.fromkeys(mine, 0)  # text streams report the position after each window
+    repeated = False
     for item in _Sequences(plan, rank, world_size, 0, {}):
         if isinstance(item, _WorkerError):
             raise DataError(item.message)
         w, g, j, s, state = item
-        if sequences:
-            if g >= sequences:
-                return
-            yield w
-            continue
         prepared = isinstance(plan.sources[j], PreparedSource)
         started_in = state["epoch"] if prepared else epoch_before[(j, s)]
         epoch_before[(j, s)] = state["epoch"]
+        if sequences:
+            if g >= sequences:
+                return
+            if started_in and not repeated:
+                repeated = True
+                log.warning("warning: the first %d validation sequences repeat windows: a stream of the data "
+                            "wrapped around at global sequence %d (a full pass scores every window once)",
+                            sequences, g)
+            yield w
+            continue
         if started_in == 0:
             yield w
         elif (j, s) in mine:

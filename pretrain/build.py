@@ -26,6 +26,10 @@ def tokenizer_and_model_args(cfg: Config):
     if not args.vocab_size:
         args.vocab_size = dp.padded_vocab_size(tokenizer, args.vocab_multiple_of)
     elif args.vocab_size < tokenizer.get_vocab_size():
+        if hub.is_hf_model(cfg.checkpoint.init_from):  # the vocabulary is the model's: the tokenizer must fit it
+            raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} has {tokenizer.get_vocab_size()} tokens, more "
+                              f"than the vocabulary of checkpoint.init_from={cfg.checkpoint.init_from} "
+                              f"({args.vocab_size}): use the model's own tokenizer (data.tokenizer={cfg.checkpoint.init_from})")
         raise ConfigError(f"model.vocab_size={args.vocab_size} is smaller than the tokenizer's "
                           f"{tokenizer.get_vocab_size()} tokens: set it to 0 to derive it")
     return tokenizer, args

@@ -55,6 +55,10 @@ FORMAT = 2  # meta.json "format"; bump when the layout changes, and say what rea
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 # Fields of the model shape that must match to load weights (init scale and presets may differ).
 SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "hidden_dim", "tie_embeddings")
+# Fields that change what the model computes, not its shapes: a resume must keep them (it continues
+# one run); fine-tuning may change them (a larger rope_theta to extend the context, say).
+FUNCTION_FIELDS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                   "rope_original_max_seq_len")
 
 
 def step_dir_name(step: int) -> str:
@@ -103,8 +107,8 @@ def read_meta(ckpt: Path) -> dict:
     return meta
 
 
-def model_shape(args) -> dict:
-    return {f: getattr(args, f) for f in SHAPE_FIELDS}
+def model_shape(args, fields=SHAPE_FIELDS) -> dict:
+    return {f: getattr(args, f) for f in fields}
 
 
 def _my_share(items: list, rank: int, world: int) -> list:
@@ -231,17 +235,23 @@ class CheckpointManager:
         self.timings["verify_s"] = self.timings.get("verify_s", 0.0) + time.perf_counter() - t0
         return problems[0] if problems else None
 
-    def _usable_meta(self, ckpt: Path, optimizer: bool) -> dict:
+    def _usable_meta(self, ckpt: Path, optimizer: bool, resume: bool = False) -> dict:
         """meta.json of an intact checkpoint, if this run can load it (raises on every rank if not):
         the same model shape; to load the optimizer shards also this format and the same ZeRO
-        stage. Other data or another tokenizer is caught by the data position's own check."""
+        stage; to resume, the same RoPE and norm settings too (checkpoints written before they were
+        recorded are not checked). Other data or another tokenizer is caught by the data position's
+        own check."""
         meta = read_meta(ckpt)
-        ours = model_shape(self.model_args)
-        diff = [f"{k}: checkpoint {meta['model_shape'].get(k)} vs config {v}"
-                for k, v in ours.items() if meta["model_shape"].get(k) != v]
+        saved = {**meta["model_shape"], **(meta.get("model_function", {}) if resume else {})}
+        ours = {**model_shape(self.model_args), **(model_shape(self.model_args, FUNCTION_FIELDS) if resume else {})}
+        diff = [f"{k}: checkpoint {saved.get(k)} vs config {v}" for k, v in ours.items()
+                if k in saved and saved[k] != v or k in SHAPE_FIELDS and k not in saved]
         if diff:
-            raise collective(CheckpointError(f"checkpoint {ckpt} has another model shape ({'; '.join(diff)}): "
-                                              "use the model config it was saved with"))
+            what = "model shape" if any(d.split(":")[0] in SHAPE_FIELDS for d in diff) else "model (RoPE, norm)"
+            raise collective(CheckpointError(f"checkpoint {ckpt} has another {what} ({'; '.join(diff)}): "
+                                              "use the model config it was saved with"
+                                              + ("" if what == "model shape" else " (to change it, fine-tune from "
+                                                 "it with checkpoint.init_from)")))
         if not optimizer:
             return meta
         if meta.get("format", 1) != FORMAT:
@@ -259,7 +269,7 @@ class CheckpointManager:
         problem = self._corruption(ckpt)
         if problem:
             raise collective(CheckpointError(problem))
-        meta = self._usable_meta(ckpt, optimizer=True)
+        meta = self._usable_meta(ckpt, optimizer=True, resume=True)
         log.info("resuming from %s (step %d)", ckpt, meta["step"])
         return Start("resume", meta["run_id"], ckpt, meta, meta["step"])
 
@@ -273,7 +283,7 @@ class CheckpointManager:
             if problem is not None:
                 bad.append((ckpt, problem))
                 continue
-            meta = self._usable_meta(ckpt, optimizer=True)
+            meta = self._usable_meta(ckpt, optimizer=True, resume=True)
             for old, why in bad:
                 self._set_aside(old, "corrupt")
                 log.warning("warning: not resuming from %s: %s; it is moved to %s", old.name, why,
@@ -546,6 +556,7 @@ class CheckpointManager:
         files["tokenizer.json"] = self.tokenizer_json
         meta = {"format": FORMAT, "step": step, "run_id": self.run.run_id, "world_size": self.env.world_size,
                 "model_shape": model_shape(self.model_args),
+                "model_function": model_shape(self.model_args, FUNCTION_FIELDS),
                 "zero_stage": self.zero_stage, "fingerprint": {"tokenizer": self.tokenizer_fingerprint},
                 **self.provenance}
         files["meta.json"] = json.dumps(meta, indent=2)

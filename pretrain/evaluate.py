@@ -5,8 +5,10 @@ MODEL is a checkpoint (a step folder), a run dir or checkpoints folder (its newe
 checkpoint), or a Hugging Face model directory / `hub:NAME`. The config gives the data: CONFIG if
 given, else the config saved in the checkpoint; its validation sources, else its training sources,
 or the one source `--data PATH_OR_HUB_NAME`. The model's own tokenizer is used. `--batches N` scores
-the first N global batches (train.global_batch_size sequences each: the ones the training run's own
-evaluation scores with train.eval_batches=N); without it, one full pass.
+the first N global batches of the run that trained the checkpoint (train.global_batch_size
+sequences each, or micro_batch_size x its world size: the ones the training run's own evaluation
+scores with train.eval_batches=N), whatever the world size of the eval; batches that repeat windows
+(a small validation set) are warned of. Without it, one full pass.
 
 Every rank holds the whole model (no ZeRO: scoring needs no optimizer state) and scores global
 sequences rank, rank + W, ...; the sums are reduced, so the result is the same at any world size.
@@ -43,12 +45,13 @@ def _config(model_path: Path, is_hf: bool, config: str | None, overrides: list[s
     return cfg
 
 
-def evaluate(model, tokenizer, cfg, env, batches: int = 0, micro_batch_size: int = 0) -> dict:
-    """{"loss", "perplexity", "bits_per_byte", "tokens", "bytes", "sequences"} over this world."""
+def evaluate(model, tokenizer, cfg, env, batches: int = 0, micro_batch_size: int = 0, trained_world: int = 1) -> dict:
+    """{"loss", "perplexity", "bits_per_byte", "tokens", "bytes", "sequences"} over this world;
+    `batches` global batches of the run that trained the model at `trained_world` ranks."""
     import data_pipeline as dp
     from pretrain import distributed
 
-    sequences = batches * cfg.global_batch(env.world_size) if batches else 0
+    sequences = batches * cfg.global_batch(trained_world) if batches else 0
     windows = dp.evaluation_windows(cfg.data, tokenizer, env.rank, env.world_size, sequences)
     B = micro_batch_size or cfg.train.micro_batch_size
     sums = torch.zeros(4, dtype=torch.float64)  # loss sum (nats), tokens, bytes, sequences
@@ -107,7 +110,7 @@ def _eval(args, env) -> None:
     from pretrain.export import load_for_inference
 
     is_hf = hub.is_hf_model(args.model)
-    path = hub.resolve(args.model) if is_hf else distributed.agree(lambda: open_checkpoint(args.model)[0])
+    path, meta = (hub.resolve(args.model), {}) if is_hf else distributed.agree(lambda: open_checkpoint(args.model))
     cfg = _config(path, is_hf, args.config, args.overrides, args.data)
     model, tokenizer, _ = load_for_inference(str(path), str(env.device), verified=True)
     if env.device.type == "cuda":
@@ -117,7 +120,7 @@ def _eval(args, env) -> None:
 
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is longer than the model's max_seq_len "
                           f"{model.args.max_seq_len}: lower data.seq_len")
-    result = evaluate(model, tokenizer, cfg, env, args.batches, args.micro_batch_size)
+    result = evaluate(model, tokenizer, cfg, env, args.batches, args.micro_batch_size, meta.get("world_size", 1))
     result = {"model": str(path), "world_size": env.world_size, **result}
     if env.is_main:
         print(f"eval {path}: loss {result['loss']:.4f} | perplexity {result['perplexity']:.2f} | "

@@ -91,6 +91,11 @@ def load_for_inference(path: str, device: str = "cpu", verified: bool = False):
         ckpt = Path(path) if verified else open_checkpoint(path)[0]
         args, tokenizer, eot = _checkpoint_parts(ckpt)
         state = consolidated_state_dict(ckpt)
+    if tokenizer.get_vocab_size() > args.vocab_size:  # its ids past the embedding would crash it (on a GPU, an assert)
+        from pretrain.errors import ConfigError
+
+        raise ConfigError(f"{path}: its tokenizer has {tokenizer.get_vocab_size()} tokens, more than the model's "
+                          f"vocabulary ({args.vocab_size}): the tokenizer is not this model's")
     model = Transformer(args)
     model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     return model.to(device).eval(), tokenizer, eot

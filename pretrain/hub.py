@@ -79,16 +79,28 @@ class LazyWeights:
         if (path / INDEX).is_file():
             where = json.loads((path / INDEX).read_text())["weight_map"]  # HF name -> file
         else:
-            with safe_open(path / "model.safetensors", "pt") as f:
-                where = dict.fromkeys(f.keys(), "model.safetensors")
+            where = dict.fromkeys(self._keys(path / "model.safetensors"), "model.safetensors")
         missing = [f for f in set(where.values()) if not (path / f).is_file()]
         if missing:
             raise CheckpointError(f"{path} lacks the weight files {sorted(missing)[:3]} named in {INDEX}")
+        for file in set(where.values()):  # a truncated or damaged file: named now, not at its first tensor
+            self._keys(path / file)
         try:
             self.names = from_hf_state_dict({k: k for k in where}, args)  # ours -> HF name
         except ValueError as e:
             raise CheckpointError(f"{path}: {e}") from None
         self.path, self.where, self._open = path, where, {}
+
+    @staticmethod
+    def _keys(file: Path) -> list[str]:
+        """The tensor names of a safetensors file, whose header and size are checked on opening."""
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(file, "pt") as f:
+                return list(f.keys())
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{file} is not a readable safetensors file ({e}): download it again") from None
 
     def __contains__(self, name: str) -> bool:
         return name in self.names

@@ -91,6 +91,7 @@ class RunDir:
         self.run_id: str | None = None  # set by claim()
         self._created = False  # this process created the dir
         self._claimed = False  # this process made a new run the owner (not a restart of the owner)
+        self._replaced: Path | None = None  # where train.overwrite moved the earlier run's files
         self._lock_fd: int | None = None
 
     # ------------------------------------------------------------------ lock
@@ -143,23 +144,35 @@ class RunDir:
     def close(self, trained: bool) -> None:
         """Release the lock. A new run that failed before it `trained` a step leaves nothing behind:
         the dir if this process created it, else the files it wrote (no other run's files can be
-        there: the start refused them or moved them to replaced/)."""
+        there: the start refused them or moved them to replaced/, and those come back)."""
         if not self.env.is_main:
             return
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the POSIX lock
-            self._lock_fd = None
-        if trained or self.has_checkpoints():
-            return
+        try:
+            if not (trained or self.has_checkpoints()):
+                self._undo_start()
+        finally:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # releases the POSIX lock
+                self._lock_fd = None
+
+    def _undo_start(self) -> None:
         if self._created:
             shutil.rmtree(self.path, ignore_errors=True)
-        elif self._claimed:
+            return
+        if self._claimed:
             for name in RUN_FILES:
                 target = self.path / name
                 if target.is_dir():
                     shutil.rmtree(target, ignore_errors=True)
                 else:
                     target.unlink(missing_ok=True)
+        if self._replaced is not None:  # train.overwrite, then a failed start: the earlier run comes back
+            for item in self._replaced.iterdir():
+                item.rename(self.path / item.name)
+            self._replaced.rmdir()
+            if not any((self.path / REPLACED).iterdir()):
+                (self.path / REPLACED).rmdir()
+            log.warning("warning: the new run failed to start: the earlier run's files are back in %s", self.path)
 
     # ------------------------------------------------------------------ ownership
     def owner(self) -> dict | None:
@@ -211,4 +224,5 @@ class RunDir:
             if (self.path / name).exists():
                 (self.path / name).rename(dest / name)
         fsync_dir(self.path)
+        self._replaced = dest
         return dest

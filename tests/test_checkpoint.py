@@ -226,6 +226,17 @@ def test_other_model_shape_is_refused(tmp_path, saved_run):
     assert "another model shape (n_layers: checkpoint 4 vs config 3)" in proc.stderr
 
 
+def test_other_rope_theta_is_refused_on_resume(tmp_path, saved_run):
+    """A resume continues one run: a changed model.rope_theta (which no shape shows) is refused, as
+    fine-tuning is the way to change it (it was accepted silently)."""
+    shutil.copytree(saved_run / "checkpoints", tmp_path / "checkpoints")
+    proc = run_train(BASE + ["model.rope_theta=20000", "checkpoint.resume=auto", f"train.run_dir={tmp_path}"],
+                     check=False)
+    assert proc.returncode == 2
+    assert "another model (RoPE, norm) (rope_theta: checkpoint 10000.0 vs config 20000.0)" in proc.stderr
+    assert "fine-tune from it with checkpoint.init_from" in proc.stderr
+
+
 def test_other_zero_stage_is_refused(tmp_path, saved_run):
     shutil.copytree(saved_run / "checkpoints", tmp_path / "checkpoints")
     proc = run_train(BASE + ["distributed.zero_stage=2", "checkpoint.resume=auto", f"train.run_dir={tmp_path}"],

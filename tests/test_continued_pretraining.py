@@ -30,7 +30,7 @@ def hf_llama_dir(path: Path, tied=False, rope_scaling=None, shard=True, **extra)
 
     vocab = Tokenizer.from_file(str(BUILTIN_TOKENIZER)).get_vocab_size()
     cfg = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=extra.pop("vocab_size", vocab), hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=50000.0,
         tie_word_embeddings=tied, rope_scaling=rope_scaling, **extra)
     torch.manual_seed(0)
@@ -129,6 +129,54 @@ def test_unsupported_architectures_are_refused_in_one_line(tmp_path, change, nam
     assert named in line and "not supported" in line
 
 
+GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_head": 4, "n_layer": 2,
+        "n_positions": 256, "vocab_size": 4096}
+
+
+NAMED = {"gpt2": "model_type 'gpt2' (not a Llama architecture); Llama and Mistral load",
+         "llama3_without_low_freq": "llama3 RoPE scaling without low_freq_factor",
+         "truncated_shard": "is not a readable safetensors file (Error while deserializing header"}
+
+
+@pytest.mark.parametrize("case,command", [("gpt2", "train"), ("gpt2", "eval"), ("gpt2", "estimate"),
+                                          ("gpt2", "generate"), ("llama3_without_low_freq", "train"),
+                                          ("truncated_shard", "train"), ("truncated_shard", "eval")])
+def test_a_model_dir_that_cannot_load_is_one_line_in_every_command(tmp_path, case, command):
+    """Each was a traceback (KeyError 'hidden_size', KeyError 'low_freq_factor', SafetensorError at the
+    first tensor read)."""
+    src = hf_llama_dir(tmp_path / "hf", shard=case == "truncated_shard")
+    cfg = json.loads((src / "config.json").read_text())
+    if case == "gpt2":
+        cfg = GPT2
+    elif case == "llama3_without_low_freq":  # (as transformers 4.x writes it)
+        cfg.pop("rope_parameters", None)
+        cfg.update(rope_theta=50000.0, rope_scaling={"rope_type": "llama3", "factor": 4.0, "high_freq_factor": 4.0,
+                                                     "original_max_position_embeddings": 32})
+    else:
+        shard = sorted(src.glob("model-*.safetensors"))[-1]
+        shard.write_bytes(shard.read_bytes()[:-100])
+    (src / "config.json").write_text(json.dumps(cfg))
+    train = [*SMALL, f"checkpoint.init_from={src}", f"data.tokenizer={src}", f"train.run_dir={tmp_path / 'run'}"]
+    args = {"train": ["train", str(CONTINUE), *train], "estimate": ["estimate", str(CONTINUE), *train, "--gpus", "1"],
+            "eval": ["eval", str(src), "--data", "builtin:python-docs"],
+            "generate": ["generate", str(src), "--prompt", "def", "--max-new-tokens", "2"]}[command]
+    assert NAMED[case] in one_error_line(pretrain_cmd(*args, check=False))
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line(tmp_path):
+    """An HF model of vocabulary 1024 with a 4096-token tokenizer: eval crashed in torch.embedding
+    (a device-side assert on a GPU); init_from said "set model.vocab_size to 0", which does not help."""
+    src = hf_llama_dir(tmp_path / "hf", shard=False, vocab_size=1024)
+    proc = pretrain_cmd("eval", str(src), "--data", "builtin:python-docs", check=False)
+    assert "its tokenizer has 4096 tokens, more than the model's vocabulary (1024)" in one_error_line(proc)
+    builtin = "builtin:python-docs-bpe"
+    proc = run_train(SMALL + [f"checkpoint.init_from={src}", f"data.tokenizer={builtin}",
+                              f"train.run_dir={tmp_path / 'run'}"], check=False, config=CONTINUE)
+    line = one_error_line(proc)
+    assert "has 4096 tokens, more than the vocabulary of checkpoint.init_from" in line
+    assert "use the model's own tokenizer" in line and "vocab_size to 0" not in line
+
+
 def test_a_hub_model_that_cannot_be_downloaded_is_one_line(tmp_path, monkeypatch):
     """hub:NAME goes through huggingface_hub (offline here: the same path as a failed download)."""
     from pretrain import hub
@@ -186,6 +234,23 @@ def test_eval_equals_the_runs_own_eval_at_any_world_size_and_its_export(tmp_path
     assert 0 < one["bits_per_byte"] < one["loss"] and one["perplexity"] > 1
 
 
+def test_eval_batches_are_the_training_runs_at_any_world_size(tmp_path):
+    """A run whose global batch is micro_batch_size x its world size (train.global_batch_size unset):
+    `--batches 2` scores its 2 x 4 sequences at 1 and at 2 ranks (2 ranks scored 16), as its own eval
+    did. Asking for more sequences than one pass of the data has says that windows repeat."""
+    run = tmp_path / "run"
+    run_train(SMALL + ["train.global_batch_size=0", "train.max_steps=2", "train.eval_batches=2", f"train.run_dir={run}"])
+    [final] = [r for r in read_metrics(run) if "eval/loss" in r]
+    one = _eval(str(run), "--batches", "2")
+    two = _eval(str(run), "--batches", "2", nproc=2)
+    assert one["sequences"] == two["sequences"] == 8
+    assert one["loss"] == pytest.approx(final["eval/loss"], rel=1e-5) and two["loss"] == pytest.approx(one["loss"], rel=1e-6)
+    one_pass = _eval(str(run))["sequences"]
+    proc = pretrain_cmd("eval", str(run), "--batches", str(one_pass // 4 + 1))
+    assert f"warning: the first {4 * (one_pass // 4 + 1)} validation sequences repeat windows" in proc.stderr
+    assert "repeat windows" not in pretrain_cmd("eval", str(run), "--batches", "2").stderr
+
+
 def test_eval_full_pass_is_the_same_at_one_and_two_ranks(trained):
     run, _ = trained
     one, two = _eval(str(run)), _eval(str(run), nproc=2)
@@ -222,10 +287,17 @@ print(json.dumps({"version": transformers.__version__, "rope_theta": cfg.rope_th
 
 @pytest.fixture(scope="session")
 def python_with_transformers_4(tmp_path_factory):
-    """A venv over this Python's packages with transformers 4.x (and its tokenizers, hub) on top."""
+    """A venv over this Python's packages with transformers 4.x (and its tokenizers, hub) on top.
+    (Not `venv --system-site-packages`: run from inside a venv, that gives the base interpreter's
+    packages, without torch. A .pth file adds this interpreter's own site dirs after the venv's.)"""
     venv = tmp_path_factory.mktemp("transformers4") / "venv"
+    outer = [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and os.path.isdir(p)]
     try:
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        purelib = subprocess.run([str(venv / "bin" / "python"), "-c",
+                                  "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                 check=True, capture_output=True, text=True).stdout.strip()
+        (Path(purelib) / "_outer_site.pth").write_text("".join(f"import site; site.addsitedir({p!r})\n" for p in outer))
         subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"transformers=={TRANSFORMERS_4}"], check=True,
                        capture_output=True, timeout=600)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:

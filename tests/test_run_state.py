@@ -54,6 +54,12 @@ def test_a_fresh_run_refuses_a_dir_holding_another_run(tmp_path):
     line = _one_error_line(proc)
     assert f"run dir {run} holds run" in line and "checkpoint.resume=auto" in line and "train.overwrite" in line
     assert _tree(run) == before  # nothing written, nothing deleted
+    # An overwrite whose start then fails (its data is missing) puts the old run back: it was left
+    # in replaced/ with an empty run dir.
+    proc = run_train(again + ["train.overwrite=true", f"data.sources=[{{path: {tmp_path / 'missing.txt'}}}]"],
+                     check=False)
+    assert proc.returncode == 2 and "missing.txt" in _one_error_line(proc)
+    assert _tree(run) == before and not (run / "replaced").exists()
     # An explicit overwrite moves the old run aside (never deletes it) and starts a new run.
     old_id = json.loads((run / "run.json").read_text())["run_id"]
     run_train(again + ["train.overwrite=true"])

@@ -7,10 +7,12 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from helpers import REPO, TINY, read_metrics, run_train
 from pretrain.cli import main
 from pretrain.config import load_config
+from pretrain.model.model import Transformer
 from pretrain.schedule import Schedule
 from pretrain.scaling import fit as F
 
@@ -223,14 +225,26 @@ def test_plan_writes_configs_and_a_manifest_the_trainer_accepts(tmp_path, capsys
     assert main(["scaling", "plan", str(TINY), "--budgets", "3e13,1e14", "--sizes", "5", "--out", str(out)]) == 0
     rows = list(csv.DictReader(open(out / "manifest.csv")))
     assert {"name", "budget", "params", "tokens", "flops", "config"} <= set(rows[0])
+    base = load_config(TINY).model
     for r in rows:
         assert r["config"] == f"configs/{r['run']}.yaml"  # relative: a copied sweep is whole
         cfg = load_config(out / r["config"])  # usable with pretrain train / config show
         assert cfg.train.run_dir == str(out / "runs" / r["run"]) and cfg.checkpoint.every_minutes == 5
-        tokens = cfg.train.max_steps * cfg.global_batch(1) * cfg.data.seq_len
-        assert int(r["tokens"]) == tokens and cfg.scaling.sweep == "sweep" and cfg.logging.group == "sweep"
-        assert float(r["flops"]) == pytest.approx(float(r["budget"]), rel=0.35)  # whole steps of whole batches
-        assert cfg.model.dim % (cfg.model.dim // cfg.model.n_heads) == 0
+        per_step = cfg.global_batch(1) * cfg.data.seq_len
+        assert int(r["tokens"]) == cfg.train.max_steps * per_step
+        assert cfg.scaling.sweep == "sweep" and cfg.logging.group == "sweep"
+        m = cfg.model  # the family keeps the base's head size and GQA ratio
+        assert m.dim // m.n_heads == base.dim // base.n_heads
+        assert m.n_heads // m.kv_heads == base.n_heads // base.kv_heads
+        # N counted on the model itself (not with the planner's arithmetic): every parameter but the
+        # embedding lookup, the LM head counted when tied; C per token 6N + 12 L H Q T (PaLM).
+        with torch.device("meta"):
+            total = sum(p.numel() for p in Transformer(m).parameters())
+        n = total - (0 if m.tie_embeddings else m.vocab_size * m.dim)
+        fpt = 6 * n + 12 * m.n_layers * m.n_heads * (m.dim // m.n_heads) * cfg.data.seq_len
+        assert int(r["params"]) == n
+        assert float(r["flops"]) == pytest.approx(cfg.train.max_steps * per_step * fpt, rel=1e-12)
+        assert abs(float(r["flops"]) - float(r["budget"])) <= 0.5 * per_step * fpt  # within half a step
     for c in ("3e+13", "1e+14"):
         assert len({r["params"] for r in rows if r["budget"] == str(float(c))}) >= 3
     assert "| name | budget |" in capsys.readouterr().out
@@ -284,12 +298,18 @@ def test_a_tiny_sweep_is_planned_run_fitted_and_plotted(tiny_sweep, tmp_path, ca
     assert len({r["budget"] for r in rows}) == 3 and all(
         len({r["params"] for r in rows if r["budget"] == b}) >= 4 for b in {r["budget"] for r in rows})
     capsys.readouterr()
-    assert main(["scaling", "run", str(sweep)]) == 0  # everything finished: skipped
+    before = {m: m.read_bytes() for m in sweep.glob("runs/*/metrics.jsonl")}
+    assert main(["scaling", "run", str(sweep)]) == 0  # everything finished: skipped, nothing trained
     assert capsys.readouterr().out.count("finished, skipped") == len({r["run"] for r in rows})
+    assert {m: m.read_bytes() for m in sweep.glob("runs/*/metrics.jsonl")} == before
     assert main(["scaling", "fit", str(sweep), "--budget", "1e12", "--bootstrap", "20",
                  "--json", str(tmp_path / "fit.json")]) == 0
     out = json.loads((tmp_path / "fit.json").read_text())
-    assert out["optimum"]["params"] > 0 and len(out["points"]) == len(rows)
+    assert out["holds"] and len(out["points"]) == len(rows) and len(out["isoflop"]["minima"]) == 3
+    law = out["law"]
+    assert 0 < law["alpha"] < 1 and 0 < law["beta"] < 1
+    # The recommendation is the law's own optimum under C = 6 N D.
+    assert 6 * out["optimum"]["params"] * out["optimum"]["tokens"] == pytest.approx(1e12, rel=1e-9)
     assert main(["scaling", "plot", str(sweep), "--out", str(tmp_path / "plots"), "--budget", "1e12"]) == 0
     for name in ("isoflop", "loss_vs_compute", "optimal_n_d", "residuals"):
         assert (tmp_path / "plots" / f"{name}.png").stat().st_size > 10_000

@@ -83,14 +83,19 @@ def from_hf_dict(raw: dict) -> ModelArgs:
     `rope_scaling`) or 5.x (`rope_parameters`). Raises ValueError naming every feature this model
     lacks: only Llama-architecture models (llama; mistral without a sliding window) load."""
     model_type = raw.get("model_type", "llama")
+    if model_type not in ("llama", "mistral"):  # (first: another architecture names its fields otherwise)
+        raise ValueError(f"not supported: model_type {model_type!r} "
+                         f"({_REFUSED.get(model_type, 'not a Llama architecture')}); Llama and Mistral load")
+    missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
+                           "intermediate_size") if k not in raw]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)}, which a Llama config has")
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     theta = rope.get("rope_theta", raw.get("rope_theta"))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or hidden // heads
     bad = []
-    if model_type not in ("llama", "mistral"):
-        bad.append(f"model_type {model_type!r} ({_REFUSED.get(model_type, 'not a Llama architecture')})")
     if raw.get("sliding_window") and raw.get("use_sliding_window", True):
         bad.append(f"sliding-window attention (sliding_window={raw['sliding_window']})")
     if raw.get("num_local_experts") or raw.get("num_experts"):
@@ -107,6 +112,11 @@ def from_hf_dict(raw: dict) -> ModelArgs:
         raise ValueError("not supported: " + "; ".join(bad))
     scaling = {}
     if rope_type == "llama3":
+        lacking = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                   if k not in rope]
+        if lacking:
+            raise ValueError(f"llama3 RoPE scaling without {', '.join(lacking)} (rope_scaling needs factor, "
+                             "low_freq_factor, high_freq_factor and original_max_position_embeddings)")
         scaling = dict(rope_scaling_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
                        rope_high_freq_factor=float(rope["high_freq_factor"]),
                        rope_original_max_seq_len=int(rope["original_max_position_embeddings"]))
