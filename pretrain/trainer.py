@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import sys
 import time
 
@@ -298,7 +299,9 @@ class Trainer:
 
         from pretrain.resilience import Stragglers, Watchdog
 
-        names = distributed.all_gather_objects((socket.gethostname(), time.strftime("%Y%m%d-%H%M%S")))
+        # Slurm's name for the node where there is one: the name slurm/pretrain.sbatch leaves out.
+        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        names = distributed.all_gather_objects((host, time.strftime("%Y%m%d-%H%M%S")))
         hosts, r = [h for h, _ in names], self.cfg.resilience
         self.stragglers = Stragglers(hosts, r.straggler_warn)
         return Watchdog(self.ckpt.run.path / "hangs" / names[0][1], self.env.rank, hosts, r.hang_timeout_s,

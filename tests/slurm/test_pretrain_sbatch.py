@@ -251,6 +251,8 @@ def test_a_hang_or_a_crash_restarts_inside_the_allocation(slurm_cluster, plain_j
     if what == "a hang":
         hangs = [x for x in r.output.splitlines() if x.startswith("pretrain: hang at step 5")]
         assert len(hangs) == 1 and "rank 1 (host node2, in forward/backward of step 5)" in hangs[0], tail(r.output)
+    else:  # the killed rank's node, not the node whose rank then failed on the lost peer
+        assert re.findall(r"^the first node to fail: (\S+) ", r.output, re.M) == ["node1"], tail(r.output)
     assert re.search(r"^resumed from .*step_00000004 at step 4$", r.output, re.M), tail(r.output)
     assert re.search(rf"^done: {steps} steps", r.output, re.M)
     logged = train_steps(tmp_path)
@@ -261,18 +263,19 @@ def test_a_hang_or_a_crash_restarts_inside_the_allocation(slurm_cluster, plain_j
     assert losses(tmp_path) == losses(plain_job.run_dir)  # (a step logged twice: the later record)
 
 
-def test_a_node_named_in_two_hangs_is_left_out_for_a_spare(slurm_cluster, tmp_path):
-    """A 2-node allocation that trains on 1 (PRETRAIN_NODES=1): rank 0, on node1, hangs in step 3
-    and, after the restart, in step 6. The second restart leaves node1 out and runs on the spare,
-    node2, and the job finishes with the losses of a run without faults."""
+@pytest.mark.parametrize("kind", ["hang", "crash"])
+def test_a_node_named_in_two_failures_is_left_out_for_a_spare(slurm_cluster, tmp_path, kind):
+    """A 2-node allocation that trains on 1 (PRETRAIN_NODES=1): rank 0, on node1, hangs (or is
+    killed) in step 3 and, after the restart, in step 6. The second restart leaves node1 out and
+    runs on the spare, node2, and the job finishes with the losses of a run without faults."""
     steps = 8
     args = [*FAST, f"train.max_steps={steps}", "logging.wandb=disabled", "checkpoint.every=2",
             "resilience.hang_timeout_s=8"]
     r = slurm_cluster.submit(SCRIPT, [CONFIG, *args, f"train.run_dir={tmp_path / 'run'}"],
-                             env={**CPU_ENV, "PRETRAIN_NODES": "1", "PRETRAIN_FAULT": "hang@rank=0,step=3;hang@rank=0,step=6"},
+                             env={**CPU_ENV, "PRETRAIN_NODES": "1", "PRETRAIN_FAULT": f"{kind}@rank=0,step=3;{kind}@rank=0,step=6"},
                              sbatch_opts=CPU_JOB, timeout=400)
     assert r.returncode == 0, tail(r.output)
-    assert re.findall(r"^leaving out node (\S+): named in 2 hangs", r.output, re.M) == ["node1"], tail(r.output)
+    assert re.findall(r"^leaving out node (\S+): named in 2 failures", r.output, re.M) == ["node1"], tail(r.output)
     launches = [x for x in r.output.splitlines() if x.startswith("launch: srun ")]
     assert len(launches) == 3 and "--nodelist=node1 " in launches[1] and "--nodelist=node2 " in launches[2]
     assert "--rdzv-endpoint=node2:" in launches[2]
@@ -340,7 +343,7 @@ def test_dry_run_prints_config_and_command_without_running(slurm_cluster):
     line = launch_line(r.output)
     assert "--nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=node1:" in line
     assert line.endswith(f"-m pretrain train {CONFIG} checkpoint.resume=auto train.max_steps=7")
-    assert "bash -c 'trap \"\" USR1; exec \"$@\"' torchrun" in line
+    assert "bash -c 'trap \"\" USR1; trap : TERM INT; \"$@\"; rc=$?;" in line and "' torchrun " in line
     assert not re.search(r"world size|Traceback", r.output)
 
 
