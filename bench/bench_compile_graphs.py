@@ -4,6 +4,7 @@ stages 0 and 3, with and without activation checkpointing, compiling the whole m
 
     python bench/bench_compile_graphs.py
     python bench/bench_compile_graphs.py --json out.json
+    python bench/bench_compile_graphs.py --compute-clock   # with the straggler report's hooks, as training has them
 
 Each case runs two forward/backward/optimizer steps of the engine the trainer builds (fp32, 1 process,
 parameters partitioned under ZeRO-3) in its own process, then reads dynamo's counters. Figures in
@@ -39,6 +40,9 @@ if mode == "blocks":
         block.compile()
     model.output.compile()
 engine = build_engine(model, cfg, ds, env.device)
+if sys.argv[5] == "1":  # the trainer's compute clock (straggler report), hooked in after DeepSpeed
+    from pretrain.resilience import ComputeClock
+    ComputeClock(engine.module, env.device, stage)
 if mode == "whole":
     engine.compile()
 x = torch.randint(0, 512, (2, 64))
@@ -54,6 +58,8 @@ print("RESULT " + json.dumps({"graphs": counters["stats"]["unique_graphs"],
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json")
+    p.add_argument("--compute-clock", action="store_true",
+                   help="with the trainer's compute clock hooked in (as training has it)")
     a = p.parse_args()
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     rows = []
@@ -64,7 +70,7 @@ def main() -> None:
             row = {"stage": stage, "ac": ac}
             for mode in ("whole", "blocks"):
                 proc = subprocess.run([sys.executable, "-c", CHILD, str(stage), str(ac), mode,
-                                       str(REPO / "configs" / "tiny.yaml")], cwd=REPO, env=env,
+                                       str(REPO / "configs" / "tiny.yaml"), str(int(a.compute_clock))], cwd=REPO, env=env,
                                       capture_output=True, text=True, timeout=900)
                 lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
                 if proc.returncode or not lines:

@@ -1,9 +1,11 @@
-"""What the watchdog's sampling (50 per second, pretrain/resilience.py) costs the training loop.
+"""What the straggler and hang watch (pretrain/resilience.py) costs the training loop: the
+watchdog's sampling (50 per second) and the compute clock's marks (hooks on every module that holds
+parameters, as at ZeRO-3, where there are the most).
 
 Trains the tiny model's step (forward, backward, AdamW) on this process's CPU in a loop, with a
-Watchdog running and without, alternately, and prints the step times and their ratio, plus the cost
-of one sample. A GPU run's host loop (kernel launches, Python) shares the GIL with the sampler the
-same way.
+Watchdog and a ComputeClock running and without, alternately, and prints the step times and their
+ratio, plus the cost of one sample. A GPU run's host loop (kernel launches, Python) shares the GIL
+with the sampler the same way; there the clock's marks are CUDA events.
 
     python bench/bench_watchdog.py [--steps 30] [--rounds 5]
 """
@@ -20,7 +22,7 @@ import torch
 
 from pretrain.config import load_config
 from pretrain.model.model import Transformer
-from pretrain.resilience import Watchdog, _in_collective
+from pretrain.resilience import ComputeClock, Watchdog, _in_collective
 
 
 def main() -> None:
@@ -49,14 +51,17 @@ def main() -> None:
         for _ in range(args.rounds):
             off.append(steps())
             dog = Watchdog(Path(tmp), 0, ["host"], fixed_s=3600, cap_s=7200)
+            clock = ComputeClock(model, torch.device("cpu"), zero_stage=3)
             on.append(steps())
+            clock.take()
             dog.close()
+            clock.close()
     n = 10000
     start = time.perf_counter()
     for _ in range(n):
         _in_collective()
     sample_us = (time.perf_counter() - start) / n * 1e6
-    print(f"step without the watchdog: {statistics.median(off) * 1e3:.1f} ms, with it: "
+    print(f"step without the watchdog and the compute clock: {statistics.median(off) * 1e3:.1f} ms, with them: "
           f"{statistics.median(on) * 1e3:.1f} ms (medians of {args.rounds} alternating rounds of {args.steps} steps); "
           f"ratio {statistics.median(on) / statistics.median(off):.3f}; one sample {sample_us:.1f} us")
 

@@ -120,7 +120,7 @@ class ResilienceConfig:
     rollback_skip_batches: int = 200  # global batches skipped from the first spike's step after a rollback
     max_rollbacks: int = 3  # more would be needed: stop (exit 3)
     skip_batches: list[list[int]] = field(default_factory=list)  # [[step, batches], ...]: skip batches before these steps, by hand
-    straggler_warn: float = 1.2  # warn when a rank is busy this many times the median rank's for 3 log steps in a row (0 = never)
+    straggler_warn: float = 1.2  # warn when a rank's host or compute time is this many times the median rank's for 3 log steps in a row (0 = never)
 
 
 @dataclass

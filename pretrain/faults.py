@@ -2,6 +2,7 @@
 
     PRETRAIN_FAULT="hang@rank=1,step=5"            rank 1 stops making progress in step 5's forward
     PRETRAIN_FAULT="slow@rank=1,seconds=0.3"       rank 1 sleeps 0.3 s in every step (from step=, default 1)
+    PRETRAIN_FAULT="slowcompute@rank=1,seconds=0.3"  the same, inside its model's forward (a slow GPU)
     PRETRAIN_FAULT="crash@rank=0,step=9"           rank 0 dies (SIGKILL) in step 9
     PRETRAIN_FAULT="nan@step=7"                    step 7's loss is NaN (on rank=, default every rank)
     PRETRAIN_FAULT="spike@step=12,factor=1000"     step 12's loss, so its gradient, x factor (finite)
@@ -25,6 +26,7 @@ from pretrain.errors import ConfigError
 ENV = "PRETRAIN_FAULT"
 # kind -> (required keys, optional keys with defaults)
 KINDS = {"hang": ({"step"}, {"rank": -1}), "slow": ({"seconds"}, {"rank": -1, "step": 1}),
+         "slowcompute": ({"seconds"}, {"rank": -1, "step": 1}),
          "crash": ({"step"}, {"rank": -1}), "nan": ({"step"}, {"rank": -1}),
          "spike": ({"step"}, {"rank": -1, "factor": 1000.0})}
 
@@ -39,7 +41,7 @@ class Fault:
 
     def here(self, rank: int, step: int) -> bool:
         on_rank = self.rank in (-1, rank)
-        return on_rank and (step >= self.step if self.kind == "slow" else step == self.step)
+        return on_rank and (step >= self.step if self.kind.startswith("slow") else step == self.step)
 
 
 def parse(text: str) -> list[Fault]:
@@ -76,16 +78,30 @@ def from_env() -> list[Fault]:
 
 class Injector:
     """Fires the faults at the trainer's fixed points: `at_forward` before each forward of a step,
-    `loss` on each micro-batch's loss. With no faults both do nothing."""
+    `loss` on each micro-batch's loss, and (`attach`) inside the model's first module that holds
+    parameters, where a slow device would be slow. With no faults they do nothing."""
 
     def __init__(self, faults: list[Fault], rank: int, run_dir: Path):
         self.faults = [(i, f) for i, f in enumerate(faults) if f.rank in (-1, rank)]
         self.rank, self.markers = rank, run_dir / "faults"
+        self._compute_delay = 0.0  # seconds for the next training forward to sleep (slowcompute)
+
+    def attach(self, model) -> None:
+        """Hooks the model for slowcompute (call after any other forward hooks, which it lands inside)."""
+        if any(f.kind == "slowcompute" for _, f in self.faults):
+            first = next(m for m in model.modules() if next(m.parameters(recurse=False), None) is not None)
+            import torch
+
+            first.register_forward_pre_hook(torch.compiler.disable(self._slow_compute))
+
+    def _slow_compute(self, module, args) -> None:
+        delay, self._compute_delay = self._compute_delay, 0.0
+        time.sleep(delay)
 
     def _fires(self, i: int, f: Fault, step: int) -> bool:
         if not f.here(self.rank, step):
             return False
-        if f.kind == "slow":
+        if f.kind.startswith("slow"):
             return True
         marker = self.markers / f"{i}-{f.kind}-rank{self.rank}"
         if marker.exists():  # fired in an earlier start of this run
@@ -96,8 +112,10 @@ class Injector:
 
     def at_forward(self, step: int, first_micro_batch: bool) -> None:
         for i, f in self.faults:
-            if f.kind not in ("hang", "crash", "slow") or not self._fires(i, f, step):
+            if f.kind not in ("hang", "crash", "slow", "slowcompute") or not self._fires(i, f, step):
                 continue
+            if f.kind == "slowcompute" and first_micro_batch:
+                self._compute_delay = f.seconds
             if f.kind == "hang":
                 while True:  # no progress, forever: the watchdog ends it
                     time.sleep(1)

@@ -75,7 +75,7 @@ class Trainer:
         self._grad_nonfinite = False  # the update was dropped for a non-finite gradient norm
         self._stats = self._host_stats = None  # this step's reduced losses: on the device, and once read
         self.faults = faults.Injector(faults.from_env(), env.rank, ckpt.run.path)  # PRETRAIN_FAULT (docs/reliability.md)
-        self.watchdog = self.stragglers = None  # pretrain/resilience.py, while fit() runs
+        self.watchdog = self.stragglers = self.compute_clock = None  # pretrain/resilience.py, while fit() runs
         r = cfg.resilience
         self.spikes = Spikes(r.spike_sigma, r.spike_window, r.spike_warmup)
         # The rollback ledger: step -> global batches skipped just before it (resilience.skip_batches,
@@ -290,6 +290,7 @@ class Trainer:
             return self._fit()
         finally:
             self.watchdog.close()
+            self.compute_clock.close()
             self.watchdog = None
 
     def _start_watchdog(self):
@@ -297,13 +298,15 @@ class Trainer:
         hang reports (collective)."""
         import socket
 
-        from pretrain.resilience import Stragglers, Watchdog
+        from pretrain.resilience import ComputeClock, Stragglers, Watchdog
 
         # Slurm's name for the node where there is one: the name slurm/pretrain.sbatch leaves out.
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         names = distributed.all_gather_objects((host, time.strftime("%Y%m%d-%H%M%S")))
         hosts, r = [h for h, _ in names], self.cfg.resilience
         self.stragglers = Stragglers(hosts, r.straggler_warn)
+        self.compute_clock = ComputeClock(self.engine.module, self.env.device, self.engine.zero_optimization_stage())
+        self.faults.attach(self.engine.module)  # (after the clock: a slowcompute fault sleeps inside its marks)
         return Watchdog(self.ckpt.run.path / "hangs" / names[0][1], self.env.rank, hosts, r.hang_timeout_s,
                         self.cfg.distributed.timeout_s)
 
@@ -522,7 +525,8 @@ class Trainer:
         if self.peak:
             record["perf/mfu"] = per_device * self.flops_per_token / self.peak
         record.update(self.data_metrics())
-        record.update(self.stragglers(distributed.all_gather_objects(elapsed * self.watchdog.busy_share())))
+        record.update(self.stragglers(distributed.all_gather_objects(
+            (elapsed * self.watchdog.busy_share(), self.compute_clock.take()))))
         self.timers = dict.fromkeys(self.timers, 0.0)
         self.logger.log(record, self.step)
         mfu = f" mfu {record['perf/mfu']:.1%}" if "perf/mfu" in record else ""
