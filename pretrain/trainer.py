@@ -335,7 +335,11 @@ class Trainer:
                     window_start, window_steps, losses = time.perf_counter(), 0, []
                     continue
                 if self.cfg.train.compile and first_loss is None:
-                    log.info("train.compile: the first step (compiling) took %.1f s", time.perf_counter() - step_start)
+                    from torch._dynamo.utils import counters
+
+                    log.info("train.compile: the first step (compiling) took %.1f s: %d graphs compiled, %d graph "
+                             "breaks", time.perf_counter() - step_start, counters["stats"]["unique_graphs"],
+                             sum(counters["graph_break"].values()))
                 losses.append(loss)
                 window_steps += 1
                 first_loss = loss if first_loss is None else first_loss

@@ -69,6 +69,35 @@ def run_train(overrides: list[str], nproc: int = 1, config: Path = TINY, launche
     return proc
 
 
+# `pretrain train` with every tensor autograd saves for backward counted (a thread-local hook around
+# the whole run: the steps run in the main thread).
+_SAVED_DRIVER = """
+import json, sys, torch
+from pretrain.cli import main
+stats = {"count": 0, "bytes": 0, "biggest": 0}
+def pack(t):
+    stats["count"] += 1
+    stats["bytes"] += t.numel() * t.element_size()
+    stats["biggest"] = max(stats["biggest"], t.numel())
+    return t
+with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    rc = main(sys.argv[1:])
+print("SAVED " + json.dumps(stats))
+sys.exit(rc)
+"""
+
+
+def saved_for_backward(overrides: list[str], config: Path = TINY) -> dict:
+    """Train one process with `overrides` and return what autograd saved for backward over the whole
+    run: {"count", "bytes", "biggest" (numel of the largest tensor)}."""
+    cmd = [sys.executable, "-c", _SAVED_DRIVER, "train", str(config), "logging.progress=false", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("SAVED ")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(lines[0][len("SAVED "):])
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 

@@ -1,9 +1,8 @@
-"""Forward pass, causality, KV-cache decoding, activation-checkpoint wrapping, counts."""
+"""Forward pass, causality, KV-cache decoding, counts. (Activation checkpointing:
+tests/test_parallelize.py, and through the trainer in tests/test_train.py.)"""
 
 import pytest
 import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from pretrain.model.args import ModelArgs
 from pretrain.model.model import KVCache, Transformer, apply_rotary_emb, flops_per_token, num_params
@@ -87,34 +86,6 @@ def test_apply_rotary_emb_keeps_dtype_and_computes_in_fp32():
     torch.testing.assert_close(out, apply_rotary_emb(x.bfloat16().float(), freqs).bfloat16(), rtol=0, atol=0)
     # A rotation keeps each pair's norm, so each head vector keeps its length.
     torch.testing.assert_close(ref.norm(dim=-1), x.norm(dim=-1))
-
-
-class CheckpointWrapper(nn.Module):
-    """The trainer's activation-checkpoint wrapper, as written elsewhere."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args, **kwargs):
-        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
-
-
-def test_activation_checkpoint_wrapper_gives_same_logits_and_grads():
-    args = tiny(n_layers=3)
-    plain, wrapped = build(args), build(args)
-    wrapped.layers = nn.ModuleList(CheckpointWrapper(layer) for layer in wrapped.layers)
-    tokens = torch.randint(0, 256, (2, 16))
-    outs = []
-    for model in (plain, wrapped):
-        logits = model(tokens)
-        nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
-        outs.append((logits, {n.replace(".inner", ""): p.grad for n, p in model.named_parameters()}))
-    (l1, g1), (l2, g2) = outs
-    torch.testing.assert_close(l2, l1, rtol=0, atol=0)
-    assert g1.keys() == g2.keys()
-    for name in g1:
-        torch.testing.assert_close(g2[name], g1[name], rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("kw", [{}, dict(n_kv_heads=0), dict(tie_embeddings=True), dict(ffn_hidden_dim=100)])

@@ -61,9 +61,17 @@ def test_stds_and_norms():
 
 
 def test_tied_init_draws_the_embedding_once():
-    model = initialised(tiny(tie_embeddings=True), 0)
+    """The tied matrix is the seed's first N(0, init_std) draw (a second draw for the head would
+    replace it), and the blocks after it are drawn exactly as in the untied model."""
+    args = tiny(tie_embeddings=True)
+    model = initialised(args, 0)
     assert model.output.weight is model.tok_embeddings.weight
-    assert abs(model.output.weight.std().item() - 0.02) < 0.002
+    torch.manual_seed(0)
+    first_draw = torch.empty(args.vocab_size, args.dim).normal_(0.0, args.init_std)
+    assert torch.equal(model.tok_embeddings.weight, first_draw)
+    untied = initialised(tiny(tie_embeddings=False), 0)
+    for (name, a), b in zip(model.layers.state_dict().items(), untied.layers.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 def test_gather_covers_every_parameter():
