@@ -3,6 +3,7 @@ and 5.x read: HF -> our checkpoint -> HF is lossless (sharded safetensors in, Ze
 the refusals, eval equal across world sizes, to the training run's own eval and to its export."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -231,7 +232,19 @@ def test_eval_equals_the_runs_own_eval_at_any_world_size_and_its_export(tmp_path
     ckpt_config = sorted((run / "checkpoints").glob("step_*"))[-1] / "config.yaml"
     exported = _eval(str(tmp_path / "hf"), str(ckpt_config), "--batches", "2")
     assert exported["loss"] == pytest.approx(one["loss"], rel=1e-6)
-    assert 0 < one["bits_per_byte"] < one["loss"] and one["perplexity"] > 1
+    assert one["perplexity"] == pytest.approx(math.exp(one["loss"]), rel=1e-12)
+    # Bits per byte: the summed loss in bits over the scored text's UTF-8 bytes (nats, or bytes
+    # miscounted, fail). The bytes per token are checked against the tokenizer on the held-out text
+    # itself, encoded here: the 16 scored windows are a sample of it.
+    assert one["bits_per_byte"] == pytest.approx(one["loss"] * one["tokens"] / (math.log(2) * one["bytes"]), rel=1e-9)
+    assert one["tokens"] == 16 * 64
+    from data_pipeline import builtin
+    from data_pipeline.tokenizer import load_tokenizer
+
+    text = "\n\n".join(builtin.split_docs(builtin.python_docs(), "validation"))
+    tok = load_tokenizer("builtin:python-docs-bpe")
+    corpus_ratio = len(text.encode("utf-8")) / len(tok.encode(text).ids)
+    assert one["bytes"] / one["tokens"] == pytest.approx(corpus_ratio, rel=0.25)  # (a sample of 1,024 tokens)
 
 
 def test_eval_batches_are_the_training_runs_at_any_world_size(tmp_path):
