@@ -182,6 +182,7 @@ class CheckpointManager:
         self.engine = None
         self._writer = None  # saving.ShardWriter, DeepSpeed's checkpoint engine once track(engine=) ran
         self._job = None  # the save in progress (saving.SaveJob)
+        self.after_write = None  # f(step), in each rank's save thread once its files are written (PRETRAIN_FAULT)
         self.last_size = 0  # bytes of the newest checkpoint, for the free-space warning
         self.timings: dict[str, float] = {}  # verify_s, load_s of the start point (seconds)
 
@@ -483,6 +484,8 @@ class CheckpointManager:
 
         group = distributed.checkpoint_group()
         sums = saving.write_rank_files(job, self._writer.inner)
+        if self.after_write is not None:
+            self.after_write(job.step)
         mine = (sums, saving.describe_failure(job.errors) if job.errors else None)
         reports = distributed.all_gather_objects(mine, group)
         failures = [(r, f) for r, (_, f) in enumerate(reports) if f]

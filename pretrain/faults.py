@@ -4,6 +4,10 @@
     PRETRAIN_FAULT="slow@rank=1,seconds=0.3"       rank 1 sleeps 0.3 s in every step (from step=, default 1)
     PRETRAIN_FAULT="slowcompute@rank=1,seconds=0.3"  the same, inside its model's forward (a slow GPU)
     PRETRAIN_FAULT="crash@rank=0,step=9"           rank 0 dies (SIGKILL) in step 9
+    PRETRAIN_FAULT="savecrash@rank=0,step=6"       rank 0 dies (SIGKILL) writing step 6's checkpoint,
+                                                   its files written, the checkpoint not yet complete
+    PRETRAIN_FAULT="signal@step=3,signum=15"       SIGTERM (15) to the process group in step 3, as
+                                                   scancel or Ctrl-C (SIGINT, 2) would send it
     PRETRAIN_FAULT="nan@step=7"                    step 7's loss is NaN (on rank=, default every rank)
     PRETRAIN_FAULT="spike@step=12,factor=1000"     step 12's loss, so its gradient, x factor (finite)
 
@@ -27,7 +31,8 @@ ENV = "PRETRAIN_FAULT"
 # kind -> (required keys, optional keys with defaults)
 KINDS = {"hang": ({"step"}, {"rank": -1}), "slow": ({"seconds"}, {"rank": -1, "step": 1}),
          "slowcompute": ({"seconds"}, {"rank": -1, "step": 1}),
-         "crash": ({"step"}, {"rank": -1}), "nan": ({"step"}, {"rank": -1}),
+         "crash": ({"step"}, {"rank": -1}), "savecrash": ({"step"}, {"rank": -1}),
+         "signal": ({"step", "signum"}, {"rank": -1}), "nan": ({"step"}, {"rank": -1}),
          "spike": ({"step"}, {"rank": -1, "factor": 1000.0})}
 
 
@@ -38,6 +43,7 @@ class Fault:
     step: int
     seconds: float = 0.0
     factor: float = 1.0
+    signum: int = 0
 
     def here(self, rank: int, step: int) -> bool:
         on_rank = self.rank in (-1, rank)
@@ -65,6 +71,8 @@ def parse(text: str) -> list[Fault]:
         missing = required - values.keys()
         if missing:
             raise ConfigError(f"{ENV}={text!r}: {kind} needs {', '.join(sorted(missing))}")
+        if kind == "signal" and values["signum"] not in {int(x) for x in signal.valid_signals()}:
+            raise ConfigError(f"{ENV}={text!r}: signum={values['signum']} is not a signal number (e.g. 15, SIGTERM)")
         if values["step"] < 1 or values.get("seconds", 0) < 0 or values["rank"] < -1:
             raise ConfigError(f"{ENV}={text!r}: step must be >= 1, rank >= 0, seconds >= 0")
         faults.append(Fault(kind, **values))
@@ -112,7 +120,7 @@ class Injector:
 
     def at_forward(self, step: int, first_micro_batch: bool) -> None:
         for i, f in self.faults:
-            if f.kind not in ("hang", "crash", "slow", "slowcompute") or not self._fires(i, f, step):
+            if f.kind not in ("hang", "crash", "signal", "slow", "slowcompute") or not self._fires(i, f, step):
                 continue
             if f.kind == "slowcompute" and first_micro_batch:
                 self._compute_delay = f.seconds
@@ -121,8 +129,16 @@ class Injector:
                     time.sleep(1)
             if f.kind == "crash":
                 os.kill(os.getpid(), signal.SIGKILL)  # as a lost node or the OOM killer would
+            if f.kind == "signal":
+                os.killpg(os.getpgrp(), f.signum)  # (data workers included, as a terminal's Ctrl-C)
             if f.kind == "slow" and first_micro_batch:
                 time.sleep(f.seconds)
+
+    def at_save_written(self, step: int) -> None:
+        """In the save thread, once this rank's files of step `step`'s checkpoint are written."""
+        for i, f in self.faults:
+            if f.kind == "savecrash" and self._fires(i, f, step):
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def loss(self, loss, step: int):
         for i, f in self.faults:

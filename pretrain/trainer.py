@@ -75,6 +75,7 @@ class Trainer:
         self._grad_nonfinite = False  # the update was dropped for a non-finite gradient norm
         self._stats = self._host_stats = None  # this step's reduced losses: on the device, and once read
         self.faults = faults.Injector(faults.from_env(), env.rank, ckpt.run.path)  # PRETRAIN_FAULT (docs/reliability.md)
+        ckpt.after_write = self.faults.at_save_written
         self.watchdog = self.stragglers = self.compute_clock = None  # pretrain/resilience.py, while fit() runs
         r = cfg.resilience
         self.spikes = Spikes(r.spike_sigma, r.spike_window, r.spike_warmup)

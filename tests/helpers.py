@@ -103,8 +103,12 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    """step -> train/loss of every training record (log_every=1 gives every step)."""
-    return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
+    """step -> train/loss of every training record (log_every=1 gives every step; of a step logged
+    twice, by a run killed after logging it and its resume, the later record). Never empty:
+    two runs that logged nothing would otherwise compare equal."""
+    out = {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
+    assert out, f"{run_dir}/metrics.jsonl has no train/loss record"
+    return out
 
 
 def read_wandb_records(run_dir: Path) -> list:

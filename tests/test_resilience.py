@@ -239,6 +239,8 @@ def test_a_nan_fault_stops_the_run_at_its_step(tmp_path):
     ("slow@rank=1", "slow needs seconds"),
     ("hang@rank=1,step=0", "step must be >= 1"),
     ("hang@step=2,when=3", "hang takes rank, step as key=value, not 'when=3'"),
+    ("signal@step=3", "signal needs signum"),
+    ("signal@step=3,signum=999", "signum=999 is not a signal number"),
 ])
 def test_a_bad_fault_spec_is_one_line(spec, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -250,6 +252,9 @@ def test_fault_specs_parse():
     assert (hang.kind, hang.rank, hang.step) == ("hang", 1, 5)
     assert slow.here(1, 1) and slow.here(1, 9) and not slow.here(0, 9) and slow.seconds == 0.3
     assert spike.here(0, 12) and spike.here(3, 12) and not spike.here(0, 11) and spike.factor == 1000
+    sig, save = parse("signal@step=3,signum=15;savecrash@rank=0,step=6")
+    assert (sig.kind, sig.step, sig.signum, sig.rank) == ("signal", 3, 15, -1)
+    assert save.here(0, 6) and not save.here(1, 6) and not save.here(0, 7)
 
 
 def test_a_bad_fault_is_refused_before_training(tmp_path):
