@@ -1,5 +1,6 @@
 """slurm/scaling_sweep.sbatch on the real 2-node test cluster: a planned sweep runs as a job array,
-one task per run, throttled; a task signalled for preemption saves, requeues itself and resumes; a
+one task per run, throttled (%2: never more than 2 at once); a task signalled for preemption saves,
+requeues itself and resumes; a
 finished run's task does nothing; every run carries its sweep in its config and its W&B group."""
 
 import csv
@@ -28,21 +29,27 @@ def test_a_sweep_runs_as_a_job_array_and_a_preempted_task_resumes(slurm_cluster,
     rows = list(csv.DictReader(open(sweep / "manifest.csv")))
     runs = sorted({r["run"] for r in rows})
     assert len(runs) == 3
-    job = slurm_cluster.start(SCRIPT, [sweep], env=CPU_ENV, sbatch_opts=[*CPU_JOB, "--array=0-2%2"])
-    # Preempt task 1 once it trains: SIGUSR1, as the time-limit warning sends.
-    run1 = sweep / "runs" / _run_of(sweep, 1)
-    metrics = run1 / "metrics.jsonl"
-    job.wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 3, 150, "task 1 training")
-    slurm_cluster.run("scancel", "--signal=USR1", f"{job.job_id}_1")
-    r = job.wait(timeout=400)
+    # Every task is preempted in its step 3 (SIGUSR1, as the time-limit warning sends; PRETRAIN_FAULT
+    # fires once per run dir, so the requeued task trains through).
+    job = slurm_cluster.start(SCRIPT, [sweep], env={**CPU_ENV, "PRETRAIN_FAULT": "signal@step=3,signum=10"},
+                              sbatch_opts=[*CPU_JOB, "--array=0-2%2"])
+    running = 0  # the most tasks seen running at once: %2 allows 2 (polled: a third would show)
+    deadline = time.monotonic() + 400
+    while job.proc.poll() is None and time.monotonic() < deadline:
+        out = slurm_cluster.run("squeue", "-h", "-r", "-j", str(job.job_id), "-t", "RUNNING", "-o", "%i", check=False)
+        running = max(running, len(out.stdout.split()))
+        time.sleep(0.3)
+    r = job.wait(timeout=30)
     assert r.returncode == 0, r.output[-6000:]
+    assert running == 2, running
     for run in runs:
         steps = {int(x["steps"]) for x in rows if x["run"] == run}.pop()
         assert (sweep / "runs" / run / "checkpoints" / f"step_{steps:08d}").is_dir(), (run, r.output[-4000:])
         assert [x["step"] for x in read_metrics(sweep / "runs" / run) if "eval/loss" in x][-1] == steps
     saved = re.findall(r"^pretrain: received SIGUSR1: saved step (\d+); exiting with 75", r.output, re.M)
-    assert len(saved) == 1, r.output[-6000:]
-    assert re.search(rf"^resumed from .*step_{int(saved[0]):08d} at step {saved[0]}$", r.output, re.M)
+    assert saved == ["3"] * 3, r.output[-6000:]
+    assert len(re.findall(r"^resumed from .*step_00000003 at step 3$", r.output, re.M)) == 3, r.output[-6000:]
+    run1 = sweep / "runs" / _run_of(sweep, 1)
     # Task 1's run has every step once: the rerun continued where the preempted run saved.
     steps1 = [x["step"] for x in read_metrics(run1) if "train/loss" in x]
     assert steps1 == list(range(1, max(steps1) + 1))
