@@ -1,6 +1,7 @@
 """End-to-end training runs in real processes (DeepSpeed ZeRO-3 on CPU, gloo)."""
 
 import json
+import math
 import re
 
 import pytest
@@ -14,6 +15,23 @@ pytestmark = pytest.mark.slow
 SMALL = ["data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", "logging.log_every=1",
          "logging.wandb=disabled", "schedule.warmup_steps=2", "schedule.decay_steps=10",
          "distributed.zero_stage=3", "distributed.param_persistence_threshold=0"]
+
+
+def test_the_quick_start_trains_as_the_readme_says(tmp_path):
+    """configs/tiny.yaml as shipped (the README's quick start: built-in corpus and tokenizer, 200
+    steps): the loss starts at ln(4096) = 8.3 and ends near 4.1, held-out loss below 5.2."""
+    run = tmp_path / "tiny"
+    proc = run_train([f"train.run_dir={run}", "logging.wandb=disabled"])
+    done = re.search(r"^done: 200 steps, loss ([\d.]+) -> ([\d.]+), eval loss ([\d.]+)", proc.stdout, re.M)
+    assert done, proc.stdout[-1000:]
+    first, last, final_eval = map(float, done.groups())  # step 1's loss, step 200's, the last eval
+    assert first == pytest.approx(math.log(4096), abs=0.1)
+    assert 3.8 < last < 4.4 and final_eval < 5.2
+    records = [r for r in read_metrics(run) if "train/loss" in r]
+    assert records[-1]["step"] == 200 and records[-1]["tokens_seen"] == 200 * 16 * 128
+    assert 3.8 < records[-1]["train/loss"] < 4.5  # (the mean of steps 191-200)
+    [logged_eval] = [r["eval/loss"] for r in read_metrics(run) if "eval/loss" in r and r["step"] == 200]
+    assert logged_eval == pytest.approx(final_eval, abs=1e-3)
 
 
 def test_tiny_preset_learns_shakespeare_with_gpt2_tokenizer(tmp_path):

@@ -94,6 +94,21 @@ def test_validation_batches_same_every_run_and_world_size(corpus, tmp_path, tok)
     assert one[0]["input_ids"][0].tolist() == doc_tokens(tok, [first])[:16]
 
 
+def test_one_big_document_streams_as_its_exact_tokens(tmp_path, tok):
+    """A text file read as one document (sample_by: document), in windows of 1024 tokens: the
+    windows are exactly its tokens and the end-of-text token, in order, nothing cut or padded."""
+    from data_pipeline import builtin
+
+    path = tmp_path / "book.txt"
+    path.write_text("\n\n".join(builtin.python_docs()[:300]))
+    expected = tok.encode(path.read_text()).ids + [0]
+    n = len(expected) // 1024
+    assert n >= 20
+    cfg = data_cfg(SourceConfig(path=str(path), sample_by="document"), seq_len=1023, num_streams=1, shuffle_blocks=1)
+    got = windows(take(build_loader(cfg, tok, 0, 1, 10), n // 10)).flatten().tolist()
+    assert got == expected[:n // 10 * 10 * 1024]
+
+
 def test_gpt2_tinyshakespeare_stream():
     tok = load_tokenizer(str(shared_file("gpt2-tokenizer.json")))
     path = shared_file("tinyshakespeare.txt")
