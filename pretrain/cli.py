@@ -68,6 +68,12 @@ def _scaling(name: str):
     return run
 
 
+def _plot(args) -> None:
+    from pretrain.plot import plot_cli
+
+    plot_cli(args)
+
+
 def _estimate(args) -> None:
     from pretrain.estimate import estimate_cli
 
@@ -165,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     po.add_argument("--out", required=True, help="directory for the PNGs")
     po.add_argument("--budget", type=float, default=0.0, help="mark this compute budget on the plots")
     po.set_defaults(fn=_scaling("plot_cli"))
+
+    pt = sub.add_parser("plot", help="PNGs of runs' metrics from their metrics.jsonl (no W&B needed)")
+    pt.add_argument("runs", nargs="+", help="run dirs (or metrics.jsonl files); several are overlaid")
+    pt.add_argument("--out", required=True, help="directory for the PNGs (one per metric)")
+    pt.add_argument("--metrics", default="", help="comma-separated metrics (default: train/loss, eval/loss, "
+                                                   "train/lr, train/grad_norm, those logged)")
+    pt.add_argument("--x", default="step", choices=["step", "tokens", "flops"], help="the x axis")
+    pt.set_defaults(fn=_plot)
 
     est = with_config(sub.add_parser("estimate", help="parameters, FLOPs, memory per GPU, step time, "
                                                       "communication for a run config"))
