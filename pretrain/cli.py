@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--data", help="score this source instead (a local file, glob, folder, or hub dataset name)")
     ev.add_argument("--batches", type=int, default=0, help="score the first N global batches (0 = one full pass)")
     ev.add_argument("--micro-batch-size", type=int, default=0, help="sequences per forward (0 = the config's)")
+    ev.add_argument("--tasks", default="", help="score downstream tasks instead: comma-separated names "
+                    "(hellaswag, arc_easy, arc_challenge, piqa, winogrande, lambada_openai, sciq), NAME=FILE for "
+                    "local files in the hub schema, or .jsonl files of your own (docs/evaluation.md)")
+    ev.add_argument("--limit", type=int, help="with --tasks: the first N instances of each (default: all)")
+    ev.add_argument("--fewshot", type=int, default=0, help="with --tasks: examples before each instance")
+    ev.add_argument("--seed", type=int, default=1234, help="with --tasks: the few-shot examples' seed")
     ev.add_argument("--json", help="also write the result to this JSON file")
     ev.set_defaults(fn=_eval)
 

@@ -12,6 +12,9 @@ scores with train.eval_batches=N), whatever the world size of the eval; batches 
 
 Every rank holds the whole model (no ZeRO: scoring needs no optimizer state) and scores global
 sequences rank, rank + W, ...; the sums are reduced, so the result is the same at any world size.
+
+`--tasks T1,T2 [--limit N] [--fewshot K]` scores downstream tasks instead (pretrain/tasks/,
+docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import math
 from pathlib import Path
 
 import torch
+
+from pretrain import tasks
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +96,16 @@ def eval_cli(args) -> None:
 
     if args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         args.overrides, args.config = [args.config, *args.overrides], None  # overrides without a CONFIG
-    if args.batches < 0 or args.micro_batch_size < 0:
-        from pretrain.errors import ConfigError
+    from pretrain.errors import ConfigError
 
+    if args.batches < 0 or args.micro_batch_size < 0:
         raise ConfigError("--batches and --micro-batch-size must be >= 0")
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit {args.limit}: give N >= 1 instances per task (leave it out for all of them)")
+    if args.fewshot < 0:
+        raise ConfigError(f"--fewshot {args.fewshot}: give K >= 0 examples")
+    if (args.limit is not None or args.fewshot) and not args.tasks:
+        raise ConfigError("--limit and --fewshot go with --tasks")
     env = distributed.init("auto")
     try:
         _eval(args, env)
@@ -111,10 +122,17 @@ def _eval(args, env) -> None:
 
     is_hf = hub.is_hf_model(args.model)
     path, meta = (hub.resolve(args.model), {}) if is_hf else distributed.agree(lambda: open_checkpoint(args.model))
-    cfg = _config(path, is_hf, args.config, args.overrides, args.data)
-    model, tokenizer, _ = load_for_inference(str(path), str(env.device), verified=True)
+    if args.tasks:
+        # every rank reads the task files; one line for a bad one before the model is loaded
+        specs = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        distributed.agree(lambda: [tasks.load(s, args.limit or 0, args.fewshot) for s in specs])
+    else:
+        cfg = _config(path, is_hf, args.config, args.overrides, args.data)
+    model, tokenizer, eot = load_for_inference(str(path), str(env.device), verified=True)
     if env.device.type == "cuda":
         model = model.to(torch.bfloat16)
+    if args.tasks:
+        return _eval_tasks(args, env, path, model, tokenizer, eot, specs)
     if cfg.data.seq_len > model.args.max_seq_len:
         from pretrain.errors import ConfigError
 
@@ -128,3 +146,24 @@ def _eval(args, env) -> None:
               f"{result['tokens']:,} tokens", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def _eval_tasks(args, env, path, model, tokenizer, eot, specs) -> None:
+    from pretrain import distributed
+
+    if eot is None:
+        from pretrain.errors import UserError
+
+        raise UserError(f"{path}: the model names no end-of-text token (config.json eos_token_id), which "
+                        "scoring an empty context needs")
+    results = tasks.score(model, tokenizer, eot, specs, max_len=model.args.max_seq_len, device=env.device,
+                          rank=env.rank, world=env.world_size, limit=args.limit or 0, fewshot=args.fewshot,
+                          seed=args.seed, gather=distributed.all_gather_objects)
+    if env.is_main:
+        for task, r in results.items():
+            shown = " | ".join(f"{k} {v:.4f}" for k, v in r["metrics"].items())
+            print(f"eval {path}: {task} ({r['n']} instances, {r['format']}, {args.fewshot}-shot): {shown}", flush=True)
+        if args.json:
+            out = {"model": str(path), "world_size": env.world_size, "fewshot": args.fewshot, "seed": args.seed,
+                   "tasks": results}
+            Path(args.json).write_text(json.dumps(out, indent=1))

@@ -1,0 +1,217 @@
+"""Downstream tasks (pretrain/tasks/): formats, the hub schemas, scoring equal to
+lm-evaluation-harness (its HFLM on our export, over the same local files), `pretrain eval --tasks`
+equal at 1 and 2 ranks, and bad input in one line."""
+
+import json
+import math
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, free_port, run_train, train_env
+from pretrain.cli import main
+from pretrain.tasks import Instance, load, metrics
+from pretrain.tasks.scoring import encode_pair
+
+# ------------------------------------------------------------------------- formats (fast tier)
+
+
+def test_multiple_choice_metrics_as_lm_eval_defines_them():
+    inst = Instance("multiple_choice", ["Q:"], [" a", " bbbb", " cc"], 1, ["a", "bbbb", "cc"])
+    lls = [-2.0, -6.0, -3.5]
+    m = metrics(inst, lls, [True, False, False])
+    assert m["acc"] == 0.0  # argmax is choice 0
+    assert m["acc_norm"] == 1.0  # per character: -2/1, -6/4 = -1.5, -3.5/2 = -1.75
+    assert m["bpb"] == pytest.approx(6.0 / (math.log(2) * len(" bbbb")))
+    assert m["prob"] == pytest.approx(math.exp(-6) / sum(math.exp(x) for x in lls))
+
+
+def test_schema_and_cloze_metrics():
+    schema = Instance("schema", ["The cup", "The bird"], [" fell."], 0, ["The cup", "The bird"])
+    assert schema.requests() == [("The cup", " fell."), ("The bird", " fell.")]
+    assert metrics(schema, [-3.0, -4.0], [False, False])["acc"] == 1.0
+    cloze = Instance("cloze", ["It was a dark and stormy"], [" night"], 0, ["night"])
+    m = metrics(cloze, [-1.5], [True])
+    assert m == {"acc": 1.0, "loss": 1.5, "bpb": pytest.approx(1.5 / (math.log(2) * 6))}
+
+
+def test_pairs_are_encoded_as_lm_eval_encodes_them():
+    """Trailing spaces of the context move to the continuation; the continuation's tokens are the
+    whole's past the context's; an empty context is the end-of-text token."""
+    from data_pipeline.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("builtin:python-docs-bpe")
+    ctx, cont = encode_pair(tok, 0, "The value is ", "returned")
+    assert ctx == tok.encode("The value is").ids and ctx + cont == tok.encode("The value is returned").ids
+    assert encode_pair(tok, 0, "", " list") == ([0], tok.encode(" list").ids)
+
+
+def _rows(rng):
+    words = "the value of a list is returned by function class method module string error import".split()
+    sent = lambda n: " ".join(rng.choice(words) for _ in range(n))  # noqa: E731
+    return {
+        "hellaswag": [{"ind": i, "activity_label": "Python", "ctx_a": sent(8) + ".", "ctx_b": sent(5),
+                       "endings": [sent(6) + " [title] " + sent(2) for _ in range(4)], "label": str(i % 4)} for i in range(12)],
+        "arc_easy": [{"id": f"q{i}", "question": sent(7) + "?", "choices": {"text": [sent(3) for _ in range(4)],
+                      "label": ["A", "B", "C", "D"]}, "answerKey": "ABCD"[i % 4]} for i in range(12)],
+        "arc_challenge": [{"id": f"c{i}", "question": sent(9) + "?", "choices": {"text": [sent(2) for _ in range(3)],
+                           "label": ["1", "2", "3"]}, "answerKey": "123"[i % 3]} for i in range(12)],
+        "piqa": [{"goal": sent(6), "sol1": sent(5), "sol2": sent(7), "label": i % 2} for i in range(12)],
+        "sciq": [{"support": " " + sent(20), "question": sent(6) + "?", "distractor1": sent(2), "distractor2": sent(1),
+                  "distractor3": sent(3), "correct_answer": sent(2)} for i in range(12)],
+        "winogrande": [{"sentence": sent(5) + " _ " + sent(6) + ".", "option1": sent(1), "option2": sent(1),
+                        "answer": str(1 + i % 2)} for i in range(12)],
+        "lambada_openai": [{"text": sent(25)} for i in range(12)],
+    }
+
+
+@pytest.fixture(scope="module")
+def task_files(tmp_path_factory):
+    """Local files in each hub dataset's own schema, and a plain JSONL of each format."""
+    d = tmp_path_factory.mktemp("tasks")
+    for name, rows in _rows(random.Random(0)).items():
+        (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plain = [{"context": "The return statement", "choices": ["returns a value", "is a fish"], "gold": 0},
+             {"contexts": ["A list is", "A string is"], "continuation": "a sequence of characters.", "gold": 1},
+             {"context": "Import a", "continuation": " module"}]
+    (d / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in plain * 3))
+    return d
+
+
+def test_hub_schemas_are_prompted_as_lm_eval_prompts_them(task_files):
+    [h, *_], _ = load(f"hellaswag={task_files / 'hellaswag.jsonl'}")
+    row = json.loads((task_files / "hellaswag.jsonl").read_text().splitlines()[0])
+    assert h.contexts == [f"Python: {row['ctx_a']} {row['ctx_b'].capitalize()}"]
+    assert "[title]" not in h.continuations[0] and ". " in h.continuations[0] and h.gold == 0
+    [a, *_], _ = load(f"arc_challenge={task_files / 'arc_challenge.jsonl'}", limit=1)
+    assert a.contexts[0].startswith("Question: ") and a.contexts[0].endswith("?\nAnswer:") and a.gold == 0
+    [w, *_], _ = load(f"winogrande={task_files / 'winogrande.jsonl'}")
+    assert w.format == "schema" and len(w.contexts) == 2 and w.continuations[0].startswith(" ")
+    [s, *_], _ = load(f"sciq={task_files / 'sciq.jsonl'}")
+    assert s.gold == 3 and "\nQuestion: " in s.contexts[0] and not s.contexts[0].startswith(" ")
+    [lam, *_], _ = load(f"lambada_openai={task_files / 'lambada_openai.jsonl'}")
+    assert lam.format == "cloze" and len(lam.contexts[0].split()) == 24
+    mine, _ = load(str(task_files / "mine.jsonl"))
+    assert [m.format for m in mine[:3]] == ["multiple_choice", "schema", "cloze"]
+    assert len(load(str(task_files / "mine.jsonl"), limit=4)[0]) == 4
+
+
+# ------------------------------------------------------------------ a trained model (slow tier)
+
+SMALL = ["data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", "logging.wandb=disabled",
+         "schedule.warmup_steps=2", "train.eval_every=0", "distributed.zero_stage=0"]
+TASKS = ["hellaswag", "arc_easy", "arc_challenge", "piqa", "sciq", "winogrande", "lambada_openai"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    run = tmp_path_factory.mktemp("run")
+    run_train(SMALL + ["train.max_steps=30", f"train.run_dir={run}"])
+    return run
+
+
+def _specs(task_files):
+    return ",".join([f"{t}={task_files / (t + '.jsonl')}" for t in TASKS] + [str(task_files / "mine.jsonl")])
+
+
+def _eval(*args, nproc=1) -> dict:
+    import subprocess
+    import sys
+
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"tasks-{os.getpid()}-{free_port()}.json"
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                                                    str(nproc), "--master_port", str(free_port())]
+    proc = subprocess.run([*launcher, "-m", "pretrain", "eval", *args, "--json", str(out)], cwd=REPO,
+                          env=train_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_task_scores_are_the_same_at_one_and_two_ranks(trained, task_files):
+    one = _eval(str(trained), "--tasks", _specs(task_files))
+    two = _eval(str(trained), "--tasks", _specs(task_files), nproc=2)
+    assert sorted(one["tasks"]) == sorted(TASKS + ["mine"])
+    for task, r in one["tasks"].items():
+        assert r["n"] == (9 if task == "mine" else 12)
+        assert two["tasks"][task] == r, task  # per instance, exactly
+    # few-shot: examples drawn per instance with the seed, the same at any world size
+    shot1 = _eval(str(trained), "--tasks", f"arc_easy={task_files / 'arc_easy.jsonl'}", "--fewshot", "2")
+    shot2 = _eval(str(trained), "--tasks", f"arc_easy={task_files / 'arc_easy.jsonl'}", "--fewshot", "2", nproc=2)
+    assert shot1["tasks"] == shot2["tasks"]
+    assert shot1["tasks"]["arc_easy"]["instances"][0]["lls"] != one["tasks"]["arc_easy"]["instances"][0]["lls"]
+
+
+@pytest.mark.slow
+def test_task_scores_equal_lm_evaluation_harness(trained, task_files, tmp_path, monkeypatch):
+    """lm-eval 0.4's HFLM on our HF export, its own task YAMLs pointed at the same local files
+    (offline): every request's log-likelihood within 1e-4 of ours, acc and acc_norm equal exactly."""
+    lm_eval = pytest.importorskip("lm_eval")  # (the test extra installs it)
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    ours = _eval(str(trained), "--tasks", _specs(task_files))["tasks"]
+    assert main(["export", str(trained / "checkpoints"), str(tmp_path / "hf")]) == 0
+    where = Path(lm_eval.__file__).parent / "tasks"
+    yamls = tmp_path / "yaml"
+    yamls.mkdir()
+    files = {"hellaswag": ("hellaswag/hellaswag.yaml", "validation"), "arc_easy": ("arc/arc_easy.yaml", "test"),
+             "arc_challenge": ("arc/arc_challenge.yaml", "test"), "piqa": ("piqa/piqa.yaml", "validation"),
+             "sciq": ("sciq/sciq.yaml", "test"), "winogrande": ("winogrande/default.yaml", "validation"),
+             "lambada_openai": ("lambada/lambada_openai.yaml", "test")}
+    for task, (path, split) in files.items():
+        (yamls / f"{task}.yaml").write_text(
+            f"include: {where / path}\ntask: local_{task}\ntag: null\ndataset_path: json\ndataset_name: null\n"
+            f"dataset_kwargs:\n  data_files:\n    {split}: {task_files / (task + '.jsonl')}\n"
+            f"training_split: null\nvalidation_split: {split if split == 'validation' else 'null'}\n"
+            f"test_split: {split if split == 'test' else 'null'}\n")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    lm = HFLM(pretrained=str(tmp_path / "hf"), device="cpu", dtype="float32", batch_size=1)
+    res = lm_eval.simple_evaluate(model=lm, tasks=[f"local_{t}" for t in files], num_fewshot=0, log_samples=True,
+                                  task_manager=TaskManager(include_path=str(yamls)))
+    worst = 0.0
+    for task in files:
+        samples = sorted(res["samples"][f"local_{task}"], key=lambda s: s["doc_id"])
+        mine = ours[task]["instances"]
+        assert len(samples) == len(mine) == 12
+        for s, o in zip(samples, mine):
+            lls = [r[0] for r in s["filtered_resps"]]
+            assert len(lls) == len(o["lls"])
+            worst = max(worst, *(abs(a - b) for a, b in zip(lls, o["lls"])))
+            assert s["acc"] == o["acc"], (task, s["doc_id"])
+            if "acc_norm" in s:
+                assert s["acc_norm"] == o["acc_norm"], (task, s["doc_id"])
+        assert res["results"][f"local_{task}"]["acc,none"] == pytest.approx(ours[task]["metrics"]["acc"], abs=1e-12)
+    assert worst < 1e-4, worst
+    # LAMBADA's perplexity is exp of the mean loss of the final words
+    ppl = res["results"]["local_lambada_openai"]["perplexity,none"]
+    assert ppl == pytest.approx(math.exp(ours["lambada_openai"]["metrics"]["loss"]), rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,message", [
+    ("unknown", "unknown task 'hellaswagg'; tasks: hellaswag, arc_easy"),
+    ("schema", "row 0 is not in the task's schema (no ctx_a, ctx_b, activity_label, endings): it needs the fields"),
+    ("no_tokenizer", "tokenizer"),
+])
+def test_bad_task_input_is_one_line(trained, task_files, tmp_path, capsys, case, message):
+    model, tasks = str(trained), "hellaswagg"
+    if case == "schema":
+        tasks = f"hellaswag={task_files / 'piqa.jsonl'}"
+    elif case == "no_tokenizer":
+        assert main(["export", str(trained / "checkpoints"), str(tmp_path / "hf")]) == 0
+        (tmp_path / "hf" / "tokenizer.json").unlink()
+        model, tasks = str(tmp_path / "hf"), str(task_files / "mine.jsonl")
+    capsys.readouterr()
+    assert main(["eval", model, "--tasks", tasks]) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_limit_zero_is_one_line(capsys):
+    assert main(["eval", "no-such-model", "--tasks", "hellaswag", "--limit", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["pretrain: error: --limit 0: give N >= 1 instances per task (leave it out for all of them)"]
