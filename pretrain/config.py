@@ -62,6 +62,9 @@ class TrainConfig:
     activation_checkpointing: int = 0  # 0 = off, 1 = every block, n = every n-th block
     eval_every: int = 0  # steps between validation passes (0 = only at the end; needs data.validation)
     eval_batches: int = 8  # global batches in one validation pass (fixed, the same every run)
+    eval_tasks: list[str] = field(default_factory=list)  # downstream tasks scored at each eval, at the end and after each WSD-S branch (docs/evaluation.md)
+    eval_task_limit: int = 1000  # instances per task in-loop (the first N; OLMo-core's cap; 0 = all)
+    eval_task_fewshot: int = 0  # few-shot examples before each task instance in-loop
     on_nonfinite: str = "stop"  # non-finite loss or gradient norm: stop (exit 3) | skip (drop the update)
     max_consecutive_skips: int = 10  # with on_nonfinite=skip: stop (exit 3) after this many in a row (0 = never)
     run_dir: str = "runs/default"  # where metrics, configs and checkpoints of this run go; one run owns it
@@ -240,8 +243,11 @@ class Config:
         if t.overwrite and self.checkpoint.resume != "none":
             out.append(f"train.overwrite=true starts the run over, checkpoint.resume={self.checkpoint.resume} "
                        "continues it: set only one (a requeued job must never overwrite)")
-        if t.eval_every and not self.data.validation:
-            out.append("train.eval_every is set but data.validation is empty: add a validation source")
+        if t.eval_every and not self.data.validation and not t.eval_tasks:
+            out.append("train.eval_every is set but data.validation and train.eval_tasks are empty: add a "
+                       "validation source or tasks")
+        if t.eval_task_limit < 0 or t.eval_task_fewshot < 0:
+            out.append("train.eval_task_limit and train.eval_task_fewshot must be >= 0")
         if world_size is not None and not out:
             try:
                 self.grad_accum(world_size)

@@ -172,6 +172,13 @@ def _train(cfg, env, stop: StopSignal):
         # The data comes before the model: a wrong source, tokenizer or resume position fails in
         # seconds, not after a large model has been built.
         loader, val_batches = distributed.agree(build.data, cfg, tokenizer, env)
+        suite = None
+        if cfg.train.eval_tasks:  # read once, here: a bad task is one line before the model is built
+            from pretrain import tasks
+
+            t = cfg.train
+            suite = distributed.agree(tasks.TaskSuite, t.eval_tasks, tokenizer, dp.eot_id(tokenizer),
+                                      model_args.max_seq_len, t.eval_task_limit, t.eval_task_fewshot)
         distributed.agree(ckpt.check_data, start, loader)
         check_stop()
         precision = resolve_precision(cfg, env.device)
@@ -196,7 +203,8 @@ def _train(cfg, env, stop: StopSignal):
                  "ZeRO-%d | global batch %d x %d tokens", n_total / 1e6, n_non_emb / 1e6, fpt / 1e6,
                  env.world_size, precision, cfg.distributed.zero_stage, cfg.global_batch(env.world_size),
                  cfg.data.seq_len)
-        trainer = Trainer(cfg, env, engine, loader, val_batches, Schedule(cfg), ckpt, logger, fpt, precision, stop)
+        trainer = Trainer(cfg, env, engine, loader, val_batches, Schedule(cfg), ckpt, logger, fpt, precision, stop,
+                          tasks=suite)
         ckpt.track(engine=engine, trainer=trainer, data=DataPosition(loader), rng=RNGState(env))
         ckpt.restore(start)
         if start.kind == "resume":

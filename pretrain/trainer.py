@@ -47,8 +47,9 @@ class StopRequested(Exception):
 
 class Trainer:
     def __init__(self, cfg, env: distributed.Dist, engine, loader, val_batches, schedule, ckpt, logger: MetricLogger,
-                 flops_per_token: float, precision: str, stop):
+                 flops_per_token: float, precision: str, stop, tasks=None):
         self.cfg, self.env, self.engine, self.loader = cfg, env, engine, loader
+        self.tasks = tasks  # train.eval_tasks loaded (pretrain.tasks.TaskSuite), or None
         self.val_batches, self.schedule, self.ckpt, self.logger = val_batches, schedule, ckpt, logger
         self.flops_per_token, self.stop = flops_per_token, stop
         self.accum = cfg.grad_accum(env.world_size)
@@ -253,20 +254,34 @@ class Trainer:
         if not after_step:
             self._drop_update = True
 
+    @property
+    def evaluates(self) -> bool:
+        return bool(self.val_batches) or self.tasks is not None
+
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Mean loss and perplexity over the fixed validation batches (the same in every run)."""
+        """Mean loss and perplexity over the fixed validation batches (the same in every run), and
+        each downstream task's means (train.eval_tasks) as eval/TASK/METRIC."""
         self._mark("eval")
         self.engine.eval()
-        sums = torch.zeros(2, device=self.env.device, dtype=torch.float64)
-        for batch in self.val_batches:
-            inputs, labels = batch["input_ids"].to(self.env.device), batch["labels"].to(self.env.device)
-            sums[0] += self.engine(inputs, labels, loss_chunk=self.cfg.train.loss_chunk_tokens) * labels.numel()
-            sums[1] += labels.numel()
-        distributed.all_reduce(sums)
+        out = {}
+        if self.val_batches:
+            sums = torch.zeros(2, device=self.env.device, dtype=torch.float64)
+            for batch in self.val_batches:
+                inputs, labels = batch["input_ids"].to(self.env.device), batch["labels"].to(self.env.device)
+                sums[0] += self.engine(inputs, labels, loss_chunk=self.cfg.train.loss_chunk_tokens) * labels.numel()
+                sums[1] += labels.numel()
+            distributed.all_reduce(sums)
+            loss = (sums[0] / sums[1]).item()
+            out = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+        if self.tasks is not None:  # the engine's forward without labels gives logits
+            t0 = time.perf_counter()
+            results = self.tasks(self.engine, self.env.device, self.env.rank, self.env.world_size,
+                                 distributed.all_gather_objects)
+            out.update({f"eval/{task}/{k}": v for task, r in results.items() for k, v in r["metrics"].items()})
+            out["eval/tasks_s"] = time.perf_counter() - t0
         self.engine.train()
-        loss = (sums[0] / sums[1]).item()
-        return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+        return out
 
     def save(self, wait: bool = False) -> None:
         """Start a checkpoint of this step (written in the background); with `wait`, also finish it."""
@@ -351,7 +366,7 @@ class Trainer:
                 if self.step % cfg.logging.log_every == 0 or self.step == t.max_steps:
                     self._log_train(losses, window_steps, time.perf_counter() - window_start)
                     losses, window_start, window_steps = [], time.perf_counter(), 0
-                if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
+                if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps and self.evaluates:
                     self._log_eval(self.evaluate())
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < t.max_steps:
                     self.save()
@@ -377,7 +392,7 @@ class Trainer:
             self.data_iter = None  # stop the data workers now, before the process is torn down
         summary = {"final_step": self.step, "first_loss": first_loss, "final_loss": last_loss}
         self._log_mixture(self.data_metrics())
-        if self.val_batches:
+        if self.evaluates:
             summary.update(self.evaluate())
             self._log_eval(summary)
         self.save(wait=True)
@@ -457,8 +472,12 @@ class Trainer:
             result = {"branch/end_step": end, "branch/tokens": end * self.tokens_per_step,
                       "branch/flops": end * self.tokens_per_step * self.flops_per_token,
                       "branch/train_loss": sum(losses[-10:]) / len(losses[-10:])}
-            if self.val_batches:
-                result["branch/eval_loss"] = self.evaluate()["eval/loss"]
+            if self.evaluates:
+                ev = self.evaluate()
+                if "eval/loss" in ev:
+                    result["branch/eval_loss"] = ev["eval/loss"]
+                # every branch gives task points too: branch/TASK/METRIC
+                result.update({"branch/" + k.removeprefix("eval/"): v for k, v in ev.items() if k.count("/") == 2})
         finally:
             self.decay_end = None
         self.data_iter = None  # its workers stop; the restored position gets a fresh iterator
@@ -504,10 +523,15 @@ class Trainer:
         return {"tokens_seen": self.tokens_seen, "flops": self.tokens_seen * self.flops_per_token}
 
     def _log_eval(self, result: dict) -> None:
-        record = {k: result[k] for k in ("eval/loss", "eval/perplexity")}
+        record = {k: v for k, v in result.items() if k.startswith("eval/")}
         self.logger.log({**record, **self._axes()}, self.step)
-        log.info("step %6d | eval loss %.4f | perplexity %.2f", self.step, record["eval/loss"],
-                 record["eval/perplexity"])
+        if "eval/loss" in record:
+            log.info("step %6d | eval loss %.4f | perplexity %.2f", self.step, record["eval/loss"],
+                     record["eval/perplexity"])
+        tasks = {k.split("/")[1] for k in record if k.count("/") == 2}  # (eval/TASK/METRIC)
+        for task in sorted(tasks):
+            log.info("step %6d | eval %s: %s", self.step, task, " | ".join(
+                f"{k.rsplit('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith(f"eval/{task}/")))
 
     def _log_train(self, losses, steps, elapsed) -> None:
         tokens_per_s = steps * self.tokens_per_step / elapsed

@@ -215,3 +215,32 @@ def test_limit_zero_is_one_line(capsys):
     assert main(["eval", "no-such-model", "--tasks", "hellaswag", "--limit", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["pretrain: error: --limit 0: give N >= 1 instances per task (leave it out for all of them)"]
+
+
+@pytest.mark.slow
+def test_in_loop_tasks_at_zero3_on_two_ranks_equal_pretrain_eval(task_files, tmp_path):
+    """train.eval_tasks on 2 ranks at ZeRO-3 (7 instances: one rank scores one more, and repeats
+    one to keep the collective forwards even): eval/TASK/METRIC at each eval and at the end, equal to
+    `pretrain eval --tasks` of the final checkpoint; a WSD-S decay branch gives branch/TASK/METRIC."""
+    from helpers import read_metrics
+
+    run = tmp_path / "run"
+    specs = [f"arc_easy={task_files / 'arc_easy.jsonl'}", str(task_files / "mine.jsonl")]
+    run_train(["data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", "logging.wandb=disabled",
+               "logging.log_every=1", "distributed.zero_stage=3", "train.max_steps=6", "train.eval_every=3",
+               f"train.eval_tasks=[{', '.join(specs)}]", "train.eval_task_limit=7", "schedule.kind=wsd",
+               "schedule.warmup_steps=1", "schedule.decay_points=[4]", f"train.run_dir={run}"], nproc=2)
+    records = read_metrics(run)
+    evals = {r["step"]: r for r in records if "eval/arc_easy/acc" in r}
+    assert sorted(evals) == [3, 6]
+    assert {k for k in evals[6] if k.startswith("eval/")} >= {
+        "eval/loss", "eval/arc_easy/acc", "eval/arc_easy/acc_norm", "eval/arc_easy/bpb", "eval/arc_easy/prob",
+        "eval/mine/acc", "eval/mine/loss"}
+    [branch] = [r for r in records if "branch/end_step" in r]
+    assert {"branch/eval_loss", "branch/arc_easy/acc", "branch/mine/bpb"} <= set(branch)
+    cli = _eval(str(run), "--tasks", ",".join(specs), "--limit", "7")["tasks"]
+    for task in ("arc_easy", "mine"):
+        assert cli[task]["n"] == 7
+        for k, v in cli[task]["metrics"].items():
+            # (the engine's ZeRO-3 forward and one process's whole model differ by summation order)
+            assert evals[6][f"eval/{task}/{k}"] == pytest.approx(v, rel=1e-5, abs=1e-6), (task, k)

@@ -5,6 +5,6 @@ tokens to logits (docs/evaluation.md)."""
 
 from pretrain.tasks.formats import FORMATS, Instance, metrics
 from pretrain.tasks.loaders import TASKS, load, task_name
-from pretrain.tasks.scoring import loglikelihoods, score
+from pretrain.tasks.scoring import TaskSuite, loglikelihoods, score
 
-__all__ = ["FORMATS", "Instance", "TASKS", "load", "loglikelihoods", "metrics", "score", "task_name"]
+__all__ = ["FORMATS", "Instance", "TASKS", "TaskSuite", "load", "loglikelihoods", "metrics", "score", "task_name"]

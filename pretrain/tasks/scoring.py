@@ -72,29 +72,45 @@ def fewshot_prefix(inst_index: int, task: str, pool: list[Instance], k: int, see
     return "".join(d.demonstration() + FEWSHOT_DELIMITER for d in demos)
 
 
+class TaskSuite:
+    """Tasks loaded once (a bad spec fails here, before anything runs), scored on each call."""
+
+    def __init__(self, specs: list[str], tokenizer, eot: int, max_len: int, limit: int = 0, fewshot: int = 0,
+                 seed: int = 1234):
+        self.tokenizer, self.eot, self.max_len, self.fewshot, self.seed = tokenizer, eot, max_len, fewshot, seed
+        self.tasks = [(loaders.task_name(s), *loaders.load(s, limit, fewshot)) for s in specs]
+        names = [t for t, _, _ in self.tasks]
+        if len(set(names)) < len(names):
+            from pretrain.errors import UserError
+
+            raise UserError(f"tasks {', '.join(specs)}: two of them have the same name")
+
+    def __call__(self, logits_fn, device, rank: int = 0, world: int = 1, gather=None) -> dict:
+        """{task: {"metrics": {name: mean}, "n", "format", "instances": [per instance]}}, the same on
+        every rank. `gather(obj) -> [obj of each rank]` for world > 1."""
+        results = {}
+        for task, instances, pool in self.tasks:
+            mine = []
+            for turn in range(-(-len(instances) // world)):  # every rank the same number of forwards
+                i = turn * world + rank
+                inst = instances[min(i, len(instances) - 1)]
+                prefix = fewshot_prefix(i, task, pool, self.fewshot, self.seed, exclude=inst)
+                shown = inst.with_prefix(prefix) if prefix else inst
+                scored = loglikelihoods(logits_fn, self.tokenizer, self.eot, shown.requests(), self.max_len, device)
+                if i < len(instances):
+                    lls, greedy = [s[0] for s in scored], [s[1] for s in scored]
+                    mine.append({"index": i, "id": inst.id, "lls": lls, "greedy": greedy, **metrics(inst, lls, greedy)})
+            every = [r for part in (gather(mine) if world > 1 else [mine]) for r in part]
+            every.sort(key=lambda r: r["index"])
+            # (a file of your own may mix formats: each metric is the mean over the instances that have it)
+            names = list(dict.fromkeys(k for r in every for k in r if k not in ("index", "id", "lls", "greedy")))
+            means = {k: sum(r[k] for r in every if k in r) / sum(k in r for r in every) for k in names}
+            formats = sorted({i.format for i in instances})
+            results[task] = {"metrics": means, "n": len(every), "format": "+".join(formats), "instances": every}
+        return results
+
+
 def score(logits_fn, tokenizer, eot: int, specs: list[str], *, max_len: int, device, rank: int = 0, world: int = 1,
           limit: int = 0, fewshot: int = 0, seed: int = 1234, gather=None) -> dict:
-    """{task: {"metrics": {name: mean}, "n": instances, "instances": [per-instance dicts]}} for each
-    spec, the same on every rank. `gather(obj) -> [obj of each rank]` for world > 1."""
-    results = {}
-    for spec in specs:
-        task = loaders.task_name(spec)
-        instances, pool = loaders.load(spec, limit, fewshot)
-        mine = []
-        for turn in range(-(-len(instances) // world)):  # every rank the same number of forwards
-            i = turn * world + rank
-            inst = instances[min(i, len(instances) - 1)]
-            prefix = fewshot_prefix(i, task, pool, fewshot, seed, exclude=inst)
-            shown = inst.with_prefix(prefix) if prefix else inst
-            scored = loglikelihoods(logits_fn, tokenizer, eot, shown.requests(), max_len, device)
-            if i < len(instances):
-                lls, greedy = [s[0] for s in scored], [s[1] for s in scored]
-                mine.append({"index": i, "id": inst.id, "lls": lls, "greedy": greedy, **metrics(inst, lls, greedy)})
-        every = [r for part in (gather(mine) if world > 1 else [mine]) for r in part]
-        every.sort(key=lambda r: r["index"])
-        # (a file of your own may mix formats: each metric is the mean over the instances that have it)
-        names = list(dict.fromkeys(k for r in every for k in r if k not in ("index", "id", "lls", "greedy")))
-        means = {k: sum(r[k] for r in every if k in r) / sum(k in r for r in every) for k in names}
-        formats = sorted({i.format for i in instances})
-        results[task] = {"metrics": means, "n": len(every), "format": "+".join(formats), "instances": every}
-    return results
+    """TaskSuite(specs, ...)(logits_fn, ...) in one call."""
+    return TaskSuite(specs, tokenizer, eot, max_len, limit, fewshot, seed)(logits_fn, device, rank, world, gather)
