@@ -6,6 +6,9 @@ The tasks are made from the built-in corpus, in the hub schemas: an ARC-style mu
 LAMBADA-style cloze (a sentence's last word), `--instances` each (the in-loop cap is 1000).
 
     python bench/bench_task_eval.py [--instances 200]
+    python bench/bench_task_eval.py --write-tasks DIR [--instances 300]   # only write the two task files
+
+(The second form writes the files the scaling ladder's worked example in docs/scaling.md uses.)
 """
 
 from __future__ import annotations
@@ -46,7 +49,13 @@ def task_files(d: Path, n: int) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--instances", type=int, default=200)
+    ap.add_argument("--write-tasks", help="write the task files into this directory and stop")
     args = ap.parse_args()
+    if args.write_tasks:
+        Path(args.write_tasks).mkdir(parents=True, exist_ok=True)
+        for spec in task_files(Path(args.write_tasks), args.instances):
+            print(spec)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         specs = task_files(tmp, args.instances)

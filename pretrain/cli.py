@@ -171,11 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     fi.add_argument("--budget", type=float, default=0.0, help="compute budget (FLOPs) to recommend N*, D* for")
     fi.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals")
     fi.add_argument("--json", help="also write the fits to this JSON file")
+    _ladder_args(fi)
     fi.set_defaults(fn=_scaling("fit_cli"))
     po = sc.add_parser("plot", help="PNGs of the fits: IsoFLOP curves, loss vs compute, N_opt/D_opt, residuals")
     po.add_argument("inputs", nargs="+", help="sweep dirs, run dirs, or CSV files with params,tokens,loss,budget")
     po.add_argument("--out", required=True, help="directory for the PNGs")
     po.add_argument("--budget", type=float, default=0.0, help="mark this compute budget on the plots")
+    _ladder_args(po)
     po.set_defaults(fn=_scaling("plot_cli"))
 
     pt = sub.add_parser("plot", help="PNGs of runs' metrics from their metrics.jsonl (no W&B needed)")
@@ -210,6 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.set_defaults(fn=_generate)
     return p
+
+
+def _ladder_args(p) -> None:
+    p.add_argument("--target", help="a task ladder instead: TASK/METRIC (e.g. hellaswag/acc_norm), predicted "
+                   "from the task's bpb (docs/scaling.md)")
+    p.add_argument("--params", type=float, default=0.0, help="with --target: the target's N (matmul parameters)")
+    p.add_argument("--tokens", type=float, default=0.0, help="with --target: the target's D (training tokens)")
 
 
 def _rank() -> int:

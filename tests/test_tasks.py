@@ -244,3 +244,23 @@ def test_in_loop_tasks_at_zero3_on_two_ranks_equal_pretrain_eval(task_files, tmp
         for k, v in cli[task]["metrics"].items():
             # (the engine's ZeRO-3 forward and one process's whole model differ by summation order)
             assert evals[6][f"eval/{task}/{k}"] == pytest.approx(v, rel=1e-5, abs=1e-6), (task, k)
+
+
+@pytest.mark.slow
+def test_task_points_of_a_run_feed_the_ladder(task_files, tmp_path):
+    """A WSD-S run with in-loop tasks gives the ladder one (N, D, bpb, metric) point per decay
+    branch and at its end, D counted from the step."""
+    from pretrain.config import load_config
+    from pretrain.model.model import matmul_params
+    from pretrain.scaling.ladder import collect
+
+    run = tmp_path / "run"
+    over = ["data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", "logging.wandb=disabled",
+            "distributed.zero_stage=0", "train.max_steps=6", "schedule.kind=wsd", "schedule.warmup_steps=1",
+            "schedule.decay_points=[3]", f"train.eval_tasks=[arc_easy={task_files / 'arc_easy.jsonl'}]",
+            f"train.run_dir={run}"]
+    run_train(over)
+    points = collect([str(run)], "arc_easy/acc_norm")
+    n = matmul_params(load_config(sorted((run / "checkpoints").glob("step_*"))[-1] / "config.yaml").model)
+    assert [(p.params, p.tokens) for p in points] == [(n, 3 * 8 * 64), (n, 6 * 8 * 64)]
+    assert all(0 < p.bpb < 10 and 0 <= p.value <= 1 for p in points)

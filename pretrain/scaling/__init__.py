@@ -1,7 +1,8 @@
 """Scaling laws end to end: `pretrain scaling plan | run | fit | plot` (docs/scaling.md).
 
 plan.py writes a sweep (run configs + manifest.csv), run.py trains it, results.py reads the finished
-runs' (N, D, loss) points, fit.py fits the IsoFLOP and parametric laws, plot.py draws them.
+runs' (N, D, loss) points, fit.py fits the IsoFLOP and parametric laws, plot.py draws them;
+ladder.py predicts a downstream task's accuracy (`fit --target TASK/METRIC`).
 """
 
 from __future__ import annotations
@@ -59,9 +60,46 @@ def _fits(inputs: list[str], bootstrap: int):
     return points, iso, par
 
 
+def _ladder(args):
+    from pretrain.scaling import ladder as L
+
+    if not (args.params and args.tokens):
+        raise L.FitError(f"--target {args.target}: give the target's --params N and --tokens D to predict at")
+    points = L.collect(args.inputs, args.target)
+    return points, L.ladder(points, args.params, args.tokens, bootstrap=getattr(args, "bootstrap", 100))
+
+
+def ladder_cli(args) -> None:
+    from pretrain.errors import UserError
+
+    points, r = _ladder(args)
+    law, sig, t = r["step1"]["law"], r["step2"], r["target"]
+    task, _, metric = args.target.rpartition("/")
+    print(f"{len(points)} points, {len({p.params for p in points})} model sizes: {args.target} from {task}/bpb")
+    print(f"step 1: {task}/bpb(N, D) = {law['E']:.4g} + {law['A']:.4g} / N^{law['alpha']:.3f} + "
+          f"{law['B']:.4g} / D^{law['beta']:.3f}")
+    for w in r["step1"]["problems"]:
+        log.warning("warning: step 1 does not hold: %s", w)
+    print(f"step 2: {metric} = {sig['a']:.4g} / (1 + exp(-({sig['k']:.4g}) (bpb - {sig['x0']:.4g}))) + {sig['b']:.4g} "
+          f"(RMS error {sig['rms']:.3g})")
+    ci = lambda k: (f" (95% interval {t[k + '_interval'][0]:.4g} - {t[k + '_interval'][1]:.4g}, "  # noqa: E731
+                    f"{t['bootstrap']} resamples)" if t[k + "_interval"] else "")
+    print(f"at N = {t['params']:.4g}, D = {t['tokens']:.4g}: {task}/bpb {t['bpb']:.4f}{ci('bpb')}, "
+          f"{args.target} {t['value']:.4f}{ci('value')}")
+    if args.json:
+        try:
+            with open(args.json, "w") as f:
+                json.dump({**r, "points": [vars(p) for p in points], "target_metric": args.target}, f, indent=1)
+        except OSError as e:
+            raise UserError(f"--json {args.json}: {e.strerror}") from None
+
+
 def fit_cli(args) -> None:
     from pretrain.errors import UserError
     from pretrain.scaling import fit as F
+
+    if args.target:
+        return ladder_cli(args)
 
     if args.budget:
         F.check_budget(args.budget)
@@ -116,6 +154,14 @@ def fit_cli(args) -> None:
 def plot_cli(args) -> None:
     from pretrain.errors import UserError
     from pretrain.scaling.plot import plot
+
+    if args.target:
+        from pretrain.scaling import ladder as L
+
+        points, r = _ladder(args)
+        for path in L.plot(points, r, args.target, args.out):
+            print(path)
+        return
 
     points, iso, par = _fits(args.inputs, bootstrap=0)
     if iso is None:

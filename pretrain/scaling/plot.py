@@ -20,12 +20,8 @@ from pretrain.errors import UserError
 from pretrain.scaling import fit as F
 
 
-def plot(points: list[F.Point], iso: dict, law: dict, out: str, budget: float = 0.0) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _out_dir(out: str) -> Path:
+    """The directory for the PNGs, made; one line if it cannot be."""
     out_dir = Path(out)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -33,6 +29,16 @@ def plot(points: list[F.Point], iso: dict, law: dict, out: str, budget: float = 
         raise UserError(f"--out {out}: {e.strerror}: give a directory for the PNGs") from None
     if not os.access(out_dir, os.W_OK):
         raise UserError(f"--out {out}: not writable")
+    return out_dir
+
+
+def plot(points: list[F.Point], iso: dict, law: dict, out: str, budget: float = 0.0) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = _out_dir(out)
     groups = F.budget_groups(points)
     colors = plt.cm.viridis(np.linspace(0, 0.9, len(groups)))
     paths = []

@@ -31,13 +31,59 @@ def _records(run_dir: Path) -> list[dict]:
 
 def run_losses(run_dir: Path) -> dict[int, float]:
     """end step -> eval loss: the run's final evaluation and each decay branch's."""
+    return {s: v["loss"] for s, v in run_values(run_dir, {"loss": ("eval/loss", "branch/eval_loss")}).items()}
+
+
+def run_values(run_dir: Path, keys: dict[str, tuple[str, str]]) -> dict[int, dict[str, float]]:
+    """end step -> {name: value} of each evaluation and decay branch that logged every one of `keys`
+    (name -> (its eval record key, its branch record key))."""
     out = {}
     for r in _records(run_dir):
-        if "branch/eval_loss" in r:
-            out[int(r["branch/end_step"])] = float(r["branch/eval_loss"])
-        elif "eval/loss" in r:
-            out[int(r["step"])] = float(r["eval/loss"])
+        branch = "branch/end_step" in r
+        values = {name: r.get(b if branch else e) for name, (e, b) in keys.items()}
+        if all(v is not None for v in values.values()):
+            out[int(r["branch/end_step"] if branch else r["step"])] = {k: float(v) for k, v in values.items()}
     return out
+
+
+def task_points(path: Path, task: str, metrics: tuple[str, ...]):
+    """(N, D, {metric: value}, name) of a sweep dir's or a run dir's ends (final evaluations and
+    decay branches) that scored `task` (eval/TASK/METRIC, branch/TASK/METRIC)."""
+    keys = {m: (f"eval/{task}/{m}", f"branch/{task}/{m}") for m in metrics}
+    if (path / "manifest.csv").is_file():
+        from pretrain.scaling.plan import check_runs, read_manifest
+
+        rows = read_manifest(path)
+        check_runs(path, rows)
+        for row in rows:
+            values = run_values(path / "runs" / row["run"], keys).get(row["end_step"])
+            if values:
+                yield row["params"], row["tokens"], values, row["name"]
+    elif (path / "config.yaml").is_file():
+        cfg = _run_config(path)
+        tokens_per_step = cfg.global_batch(1) * cfg.data.seq_len
+        from pretrain.model.model import matmul_params
+
+        for step, values in sorted(run_values(path, keys).items()):
+            yield matmul_params(cfg.model), step * tokens_per_step, values, f"{path.name}@{step}"
+    else:
+        raise FitError(f"{path}: not a sweep dir (manifest.csv), a run dir (config.yaml) or a .csv of points")
+
+
+def _run_config(run_dir: Path):
+    import yaml
+
+    from pretrain.config import config_from_dict
+
+    cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    if not cfg.model.vocab_size:  # (filled from the tokenizer: the checkpoints record the model built)
+        saved = sorted((run_dir / "checkpoints").glob("step_*/config.yaml"))
+        if saved:
+            cfg = config_from_dict(yaml.safe_load(saved[-1].read_text()))
+    if not cfg.model.vocab_size:
+        raise FitError(f"{run_dir}/config.yaml has no model.vocab_size, nor has a checkpoint of it: is it a run "
+                       "dir of this version?")
+    return cfg
 
 
 def from_sweep(sweep_dir: Path) -> list[Point]:
@@ -64,14 +110,9 @@ def from_sweep(sweep_dir: Path) -> list[Point]:
 
 
 def from_run(run_dir: Path) -> list[Point]:
-    import yaml
-
-    from pretrain.config import config_from_dict
     from pretrain.model.model import matmul_params
 
-    cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    if not cfg.model.vocab_size:
-        raise FitError(f"{run_dir}/config.yaml has no model.vocab_size: is it a run dir of this version?")
+    cfg = _run_config(run_dir)
     tokens_per_step = cfg.global_batch(1) * cfg.data.seq_len
     losses = run_losses(run_dir)
     if cfg.train.max_steps not in losses:
