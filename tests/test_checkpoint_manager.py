@@ -205,31 +205,182 @@ class SlowEngine(FakeEngine):
 
 
 def test_a_save_blocks_only_for_the_copy_and_never_overlaps_the_previous(tmp_path):
-    import time
+    import threading
 
     engine = SlowEngine()
     run, ckpt, _, trainer = manager(tmp_path / "run", engine=engine, keep_last=5)
-    writes = []
+    events = []  # in the order they happened: no clock, so no race on a loaded machine
+    release = threading.Event()  # the background writes wait for it
 
-    def slow_save(state, path):
-        t0 = time.perf_counter()
-        time.sleep(0.5)
+    def held_save(state, path):
+        name = Path(path).parent.name
+        events.append(("start", name))
+        assert release.wait(60), "never released"
         torch.save(state, path)
-        writes.append((Path(path).parent.name, t0, time.perf_counter()))
+        events.append(("end", name))
 
-    engine.checkpoint_engine.inner.save = slow_save
+    engine.checkpoint_engine.inner.save = held_save
     trainer.step = 1
-    blocked = ckpt.save(1)
+    ckpt.save(1)  # returns while its write is held: the loop is blocked for the copy only
     engine.weights += 1  # the next optimizer step changes the weights while the save is written
-    assert blocked < 0.4 and not (run.checkpoints / "step_00000001").exists()  # returned before the write
+    assert not (run.checkpoints / "step_00000001").exists() and ("end", ".partial_step_00000001") not in events
     trainer.step = 2
+    threading.Timer(0.2, release.set).start()
     ckpt.save(2)  # waits for step 1 to be complete first
     job = ckpt.wait()
-    assert job.step == 2 and job.write_s > 0.9 and job.blocking_s < job.write_s
-    first_end = max(end for name, _, end in writes if name == ".partial_step_00000001")
-    second_start = min(start for name, start, _ in writes if name == ".partial_step_00000002")
-    assert second_start > first_end  # never overlapping
+    assert job.step == 2 and job.blocking_s < job.write_s
+    # never overlapping: every write of step 1 ended before any of step 2 started
+    first_end = max(i for i, e in enumerate(events) if e == ("end", ".partial_step_00000001"))
+    second_start = min(i for i, e in enumerate(events) if e == ("start", ".partial_step_00000002"))
+    assert second_start > first_end
     saved = torch.load(run.checkpoints / "step_00000001" / "mp_rank_00_model_states.pt")
     assert torch.equal(saved["w"], torch.zeros(1000))  # the state at save time, not what followed
     saved = torch.load(run.checkpoints / "step_00000002" / "mp_rank_00_model_states.pt")
     assert torch.equal(saved["w"], torch.ones(1000))
+
+
+# ------------------------------------------------------------------ versions, fine-tuning, warnings
+def _saved(run_dir, step=1, **cfg):
+    """A run dir holding one complete checkpoint of `step`; returns its folder (the run closed)."""
+    run, ckpt, _, trainer = manager(run_dir, **cfg)
+    trainer.step = step
+    ckpt.save(step)
+    ckpt.wait()
+    run.close(trained=True)
+    return run.checkpoints / f"step_{step:08d}"
+
+
+def _rewrite_meta(ckpt: Path, edit) -> None:
+    """Edit meta.json and keep the manifest true to it (size and sha256), so that only the edit differs."""
+    import hashlib
+
+    meta = json.loads((ckpt / "meta.json").read_text())
+    edit(meta)
+    data = json.dumps(meta).encode()
+    (ckpt / "meta.json").write_bytes(data)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["meta.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused_by_every_reader(tmp_path):
+    ckpt = _saved(tmp_path / "run")
+    _rewrite_meta(ckpt, lambda m: m.update(format=3))
+    want = f"checkpoint {ckpt} has format 3, newer than this pretrain reads (2): upgrade pretrain"
+    with pytest.raises(CheckpointError) as e:
+        manager(tmp_path / "run", resume="auto")
+    assert str(e.value) == want
+    with pytest.raises(CheckpointError) as e:
+        manager(tmp_path / "ft", init_from=str(ckpt))
+    assert str(e.value) == want
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(ckpt)  # export, generate, eval
+    assert str(e.value) == want
+
+
+def test_a_format_1_checkpoint_is_read_only_by_init_from(tmp_path):
+    """Format 1 (written before run ids: no `format`, no `run_id`): its weights are read by init_from
+    (and export), but it is never resumed and its optimizer state never loaded."""
+    ckpt = _saved(tmp_path / "run", step=3)
+
+    def to_format_1(meta):
+        del meta["format"], meta["run_id"]
+
+    _rewrite_meta(ckpt, to_format_1)
+    older = "has format 1, written by an older pretrain: this version cannot resume it, but checkpoint.init_from"
+    for kw in ({"resume": "auto"}, {"resume": str(ckpt)}):
+        with pytest.raises(CheckpointError, match=older):
+            manager(tmp_path / "run", **kw)
+    with pytest.raises(CheckpointError, match=older):
+        manager(tmp_path / "ft1", init_from=str(ckpt), init_load_optimizer=True)
+    run, _, start, _ = manager(tmp_path / "ft2", init_from=str(ckpt))
+    assert (start.kind, start.path, start.step) == ("finetune", ckpt, 0)
+    assert start.run_id == run.run_id and len(start.run_id) == 12  # a run of its own
+    assert open_checkpoint(ckpt)[1].get("format", 1) == 1  # export's reader takes it
+
+
+def test_init_keep_step_continues_the_step_count_of_the_checkpoint(tmp_path):
+    ckpt = _saved(tmp_path / "run", step=7)
+    for keep, want in ((True, 7), (False, 0)):
+        run, ckpt_mgr, start, trainer = manager(tmp_path / f"ft-{keep}", init_from=str(ckpt), init_keep_step=keep)
+        assert (start.kind, start.step) == ("finetune", want)
+        trainer.step = 123
+        ckpt_mgr.restore(start)
+        assert trainer.step == want
+        assert start.run_id != json.loads((ckpt / "meta.json").read_text())["run_id"]  # a new run
+
+
+@pytest.mark.parametrize("flag", ["init_load_optimizer", "init_keep_step"])
+def test_a_hugging_face_model_as_init_from_refuses_optimizer_and_step(tmp_path, flag):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama"}))  # a model dir: config.json, no meta.json
+    with pytest.raises(CheckpointError) as e:
+        manager(tmp_path / "run", init_from=str(hf), **{flag: True})
+    assert str(e.value) == (f"checkpoint.init_from={hf} is a Hugging Face model, which has weights only: unset "
+                            "checkpoint.init_load_optimizer and checkpoint.init_keep_step")
+    assert not (tmp_path / "run" / "run.json").exists()  # refused before the run dir was claimed
+
+
+def test_a_save_warns_when_the_free_space_is_below_the_last_checkpoint(tmp_path, monkeypatch, caplog):
+    import shutil
+    from collections import namedtuple
+
+    run, ckpt, _, trainer = manager(tmp_path / "run", keep_last=5)
+    trainer.step = 1
+    ckpt.save(1)
+    ckpt.wait()
+    size = sum(p.stat().st_size for p in (run.checkpoints / "step_00000001").iterdir() if p.name != "manifest.json")
+    assert ckpt.last_size == size  # what the warning compares with
+    usage = namedtuple("usage", "total used free")
+    free = {"bytes": size}  # as much as the last checkpoint: no warning
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * 2**40, 0, free["bytes"]))
+    caplog.set_level("WARNING", logger="pretrain.checkpoint")
+    trainer.step = 2
+    ckpt.save(2)
+    ckpt.wait()
+    assert "free on the device" not in caplog.text
+    free["bytes"] = size - 1
+    trainer.step = 3
+    ckpt.save(3)
+    ckpt.wait()
+    [line] = [r.getMessage() for r in caplog.records if "free on the device" in r.getMessage()]
+    assert line == (f"warning: {(size - 1) / 2**30:.2f} GiB free on the device of {run.checkpoints}, less than the "
+                    f"last checkpoint's {size / 2**30:.2f} GiB: this save will probably fail")
+    assert (run.checkpoints / "step_00000003" / "manifest.json").is_file()  # a warning: the save still ran
+
+
+@pytest.mark.parametrize("code", [errno.ENOLCK, errno.EOPNOTSUPP])
+def test_a_file_system_without_locks_warns_and_goes_on(tmp_path, monkeypatch, caplog, code):
+    import fcntl
+
+    def no_locks(fd, op, *args):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
+    caplog.set_level("WARNING", logger="pretrain.rundir")
+    run, ckpt, _, trainer = manager(tmp_path / "run")
+    [line] = [r.getMessage() for r in caplog.records if "file locks" in r.getMessage()]
+    assert line == (f"warning: {run.path} does not support file locks ({os.strerror(code)}): nothing stops a "
+                    "second run from using this run dir at the same time")
+    assert json.loads((run.path / ".lock").read_text())["pid"] == os.getpid()  # the holder is still named
+    trainer.step = 1
+    ckpt.save(1)
+    ckpt.wait()
+    open_checkpoint(run.checkpoints / "step_00000001")
+
+
+def test_the_universal_cache_is_removed_by_the_next_save(tmp_path):
+    """A resume at another world size converts its checkpoint into checkpoints/.universal/ (cached for
+    that start); the next save, once complete, removes the cache with other leftovers."""
+    run, ckpt, _, trainer = manager(tmp_path / "run", keep_last=5)
+    cache = run.checkpoints / ".universal" / "step_00000004"
+    cache.mkdir(parents=True)
+    (cache / "done").write_text("ok")
+    (cache / "zero" / "w").mkdir(parents=True)
+    (cache / "zero" / "w" / "fp32.pt").write_bytes(b"x" * 100)
+    trainer.step = 5
+    ckpt.save(5)
+    ckpt.wait()
+    assert not (run.checkpoints / ".universal").exists()
+    assert sorted(p.name for p in run.checkpoints.iterdir() if p.is_dir()) == ["step_00000005"]

@@ -62,3 +62,29 @@ def test_export_of_a_missing_or_incomplete_checkpoint(tmp_path, capsys):
     (tmp_path / "step_00000005").mkdir()
     assert main(["export", str(tmp_path / "step_00000005"), str(tmp_path / "out")]) == 2
     assert "incomplete" in capsys.readouterr().err
+
+
+def test_a_format_1_checkpoint_exports_the_same_weights(tmp_path, checkpoint):
+    """Format 1 (before run ids: no `format`, no `run_id` in meta.json) cannot be resumed, but export
+    reads its weights: the export equals that of the same checkpoint in the current format."""
+    import hashlib
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from pretrain.checkpoint import resolve_checkpoint
+
+    src = resolve_checkpoint(checkpoint)
+    old = tmp_path / "old" / src.name
+    shutil.copytree(src, old)
+    meta = json.loads((old / "meta.json").read_text())
+    del meta["format"], meta["run_id"]
+    data = json.dumps(meta).encode()
+    (old / "meta.json").write_bytes(data)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["files"]["meta.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["export", str(old), str(tmp_path / "hf_old")]) == 0
+    export(str(src), str(tmp_path / "hf_new"))
+    got, want = load_file(tmp_path / "hf_old" / "model.safetensors"), load_file(tmp_path / "hf_new" / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -2,6 +2,7 @@
 non-finite steps, verified readers, full disks, start-up signals, failed starts, metrics on resume."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import REPO, TINY, losses, read_metrics, run_train, train_env
 
@@ -109,16 +111,29 @@ def test_an_overflow_with_a_finite_loss_stops_and_keeps_the_checkpoint(tmp_path,
 
 
 def test_skipped_steps_advance_the_schedule_and_log_the_rate_they_used(tmp_path):
-    from pretrain.config import load_config
-    from pretrain.schedule import Schedule
+    """Adam with beta1 = beta2 = 0 and no weight decay moves each weight by lr x g / (|g| + eps), so
+    by lr wherever its gradient is not tiny: the rate a step used, read off the weights of consecutive
+    checkpoints (independently of the trainer and of Schedule), equals its logged train/lr. Step 3 is
+    dropped (a NaN loss, on_nonfinite=skip): its weights do not move, and the schedule still
+    advances past it (step 4 uses step 4's rate, not step 3's)."""
+    from pretrain.checkpoint import consolidated_state_dict
 
-    over = O + ["optimizer.lr=1e30", "schedule.warmup_steps=2", "schedule.decay_steps=4", "train.max_steps=5",
-                "train.on_nonfinite=skip", "schedule.min_lr=0"]
-    run_train(over + [f"train.run_dir={tmp_path}"])
-    schedule = Schedule(load_config(TINY, over))
-    records = [r for r in read_metrics(tmp_path) if "train/loss" in r]
-    assert [r["train/skipped_steps"] for r in records] == [0, 1, 2, 3, 4]
-    assert [r["train/lr"] for r in records] == [schedule(s) for s in range(5)]  # 0-based step s is step s+1
+    over = O + ["optimizer.lr=1e-3", "optimizer.beta1=0", "optimizer.beta2=0", "optimizer.weight_decay=0",
+                "optimizer.grad_clip=0", "schedule.warmup_steps=2", "schedule.decay_steps=4", "schedule.min_lr=0",
+                "train.max_steps=5", "train.on_nonfinite=skip", "checkpoint.every=1", "checkpoint.keep_last=10"]
+    run_train(over + [f"train.run_dir={tmp_path}"], env={"PRETRAIN_FAULT": "nan@step=3"})
+    records = {r["step"]: r for r in read_metrics(tmp_path) if "train/loss" in r}
+    assert [records[s]["train/skipped_steps"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
+    w = {s: consolidated_state_dict(tmp_path / "checkpoints" / f"step_{s:08d}")["layers.0.attention.wq.weight"]
+         for s in range(1, 6)}
+    for s in (2, 4, 5):
+        used = (w[s] - w[s - 1]).abs().median().item()
+        assert used == pytest.approx(records[s]["train/lr"], rel=1e-3), s  # (fp32 weights ~0.02 apart by ~1e-3)
+    assert torch.equal(w[3], w[2])  # step 3 was dropped
+    # warmup to 1e-3 over steps 1-2, then cosine to 0 over 4 steps from step 3
+    expected = {1: 0.5e-3, 2: 1e-3, 3: 1e-3, 4: 1e-3 * (1 + math.cos(math.pi / 4)) / 2, 5: 0.5e-3}
+    for s, lr in expected.items():
+        assert records[s]["train/lr"] == pytest.approx(lr, rel=1e-9), s
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
@@ -245,7 +260,50 @@ def test_checkpoints_and_run_json_name_the_code_that_wrote_them(tmp_path):
 
     meta = json.loads((tmp_path / "checkpoints" / "step_00000001" / "meta.json").read_text())
     run = json.loads((tmp_path / "run.json").read_text())
+    # The tests run from a git checkout (CI: a clone): the commit is HEAD's, "-dirty" with changes.
+    git = lambda *a: subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True, check=True).stdout.strip()  # noqa: E731
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    expected = git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
     for record in (meta, run):
         assert record["pretrain_version"] == version("pretrain")
-        assert record["git_commit"] is None or len(record["git_commit"].split("-")[0]) == 40
+        assert record["git_commit"] == expected
     assert meta["run_id"] == run["run_id"] and meta["format"] == 2
+
+
+def test_overwrite_together_with_resume_is_one_config_line(tmp_path):
+    """A requeued job (checkpoint.resume) must never start over: with train.overwrite=true it is a
+    config error before anything starts, and the run dir is left alone."""
+    run_train(O + [f"train.run_dir={tmp_path}", "train.max_steps=1"])
+    before = _tree(tmp_path)
+    for resume in ("auto", str(tmp_path / "checkpoints" / "step_00000001")):
+        proc = run_train(O + [f"train.run_dir={tmp_path}", "train.overwrite=true", f"checkpoint.resume={resume}"],
+                         check=False)
+        assert proc.returncode == 2
+        assert _one_error_line(proc) == (f"pretrain: error: train.overwrite=true starts the run over, checkpoint.resume="
+                                         f"{resume} continues it: set only one (a requeued job must never overwrite)")
+        assert _tree(tmp_path) == before and not (tmp_path / "replaced").exists()
+
+
+FT = ["data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", "data.validation=[]",
+      "train.eval_every=0", "logging.wandb=disabled", "logging.log_every=1", "train.max_steps=8",
+      "schedule.warmup_steps=2", "distributed.zero_stage=0"]
+
+
+def test_init_load_optimizer_and_keep_step_continue_the_run_they_start_from(tmp_path):
+    """checkpoint.init_from with init_load_optimizer and init_keep_step takes the weights, the Adam
+    state and the step (so the LR schedule) of step 4. A new run, with a fresh data position: told
+    to skip the 4 global batches that step 4 had consumed (resilience.skip_batches), it draws the same
+    data as the original run, and its steps 5-8 must then repeat the original's exactly. Without the
+    optimizer state steps 6-8 differ (a fresh Adam); without the step, the rates and the data do."""
+    base = tmp_path / "base"
+    run_train(FT + [f"train.run_dir={base}", "checkpoint.every=4"])
+    ft = tmp_path / "ft"
+    proc = run_train(FT + [f"train.run_dir={ft}", f"checkpoint.init_from={base}/checkpoints/step_00000004",
+                           "checkpoint.init_load_optimizer=true", "checkpoint.init_keep_step=true",
+                           "resilience.skip_batches=[[5, 4]]"])
+    assert f"fine-tuning from {base}/checkpoints/step_00000004 (step 4)" in proc.stdout
+    want = {r["step"]: (r["train/loss"], r["train/lr"]) for r in read_metrics(base) if "train/loss" in r}
+    got = {r["step"]: (r["train/loss"], r["train/lr"]) for r in read_metrics(ft) if "train/loss" in r}
+    assert sorted(got) == [5, 6, 7, 8]
+    assert got == {s: want[s] for s in got}
+    assert json.loads((ft / "run.json").read_text())["run_id"] != json.loads((base / "run.json").read_text())["run_id"]

@@ -116,6 +116,38 @@ def test_isoflop_fit_recovers_the_optimal_exponents():
         assert m["inside"] and m["params"] == pytest.approx(F.optimum(CHINCHILLA, m["budget"])["params"], rel=0.25)
 
 
+def test_isoflop_minima_outside_the_trained_sizes_are_left_out_of_the_power_laws(tmp_path, capsys, caplog):
+    """A budget whose sizes all lie below its optimum: its parabola's vertex is an extrapolation past
+    the largest size trained. It is reported, marked, and left out of N_opt(C) and D_opt(C), which go
+    through the other budgets' minima only (fitted again here)."""
+    points = synthetic(CHINCHILLA, budgets=(1e18, 1e19, 1e20), sizes=5)
+    c = 3e19
+    n_opt = F.optimum(CHINCHILLA, c)["params"]
+    for f in np.geomspace(1 / 64, 1 / 4, 5):
+        n = n_opt * f
+        points.append(F.Point(n, c / (6 * n), F.predict(CHINCHILLA, n, c / (6 * n)), c, f"low/{n:.3g}"))
+    minima = {}  # budget -> (N at the vertex, inside the sizes)
+    for budget in (1e18, 1e19, 3e19, 1e20):
+        x = np.log([p.params for p in points if p.budget == budget])
+        a, b, _ = np.polyfit(x, [p.loss for p in points if p.budget == budget], 2)
+        minima[budget] = (math.exp(-b / (2 * a)), x.min() <= -b / (2 * a) <= x.max())
+    assert [inside for _, inside in minima.values()] == [True, True, False, True]
+    iso = F.isoflop(points)
+    assert [(m["budget"], m["inside"]) for m in iso["minima"]] == [(b, i) for b, (_, i) in minima.items()]
+    assert iso["minima"][2]["params"] == pytest.approx(minima[3e19][0], rel=1e-9)
+    good = [b for b, (_, inside) in minima.items() if inside]
+    want = np.polyfit(np.log(good), np.log([minima[b][0] for b in good]), 1)[0]
+    assert iso["params_law"]["exponent"] == pytest.approx(want, rel=1e-9)
+    every = np.polyfit(np.log(list(minima)), np.log([n for n, _ in minima.values()]), 1)[0]
+    assert abs(every - want) > 0.02  # (with the extrapolated vertex the law would be another)
+    want_d = np.polyfit(np.log(good), np.log([b / (6 * minima[b][0]) for b in good]), 1)[0]
+    assert iso["tokens_law"]["exponent"] == pytest.approx(want_d, rel=1e-9)
+    path = _write_csv(tmp_path / "points.csv", points)
+    assert main(["scaling", "fit", str(path), "--bootstrap", "0"]) == 0
+    assert f"| 3e+19 | {minima[3e19][0]:.4g} (outside the sizes trained) |" in capsys.readouterr().out
+    assert f"budget 3e+19: the fitted minimum N={minima[3e19][0]:.3g} lies outside the sizes trained" in caplog.text
+
+
 def _write_csv(path, points, columns=("params", "tokens", "loss", "budget")):
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
@@ -445,6 +477,24 @@ def test_duplicate_budgets_are_merged_and_close_ones_refused(tmp_path, capsys, c
         assert not (tmp_path / "b").exists()  # refused before anything is written
 
 
+def test_plan_scales_the_learning_rate_by_the_square_root_of_the_width(tmp_path):
+    """Each size's LR is the base config's optimizer.lr x sqrt(base dim / dim) (wider models take
+    smaller steps); --lr gives every run the same rate."""
+    base = load_config(SCALING_TINY)
+    assert _plan(tmp_path / "a", "--budgets", "1e10,1e12", "--sizes", "5", "optimizer.lr=0.004") == 0
+    runs = {r["run"]: r for r in csv.DictReader(open(tmp_path / "a" / "manifest.csv"))}
+    dims = set()
+    for r in runs.values():
+        cfg = load_config(tmp_path / "a" / r["config"])
+        assert cfg.model.dim == int(r["dim"])
+        assert cfg.optimizer.lr == pytest.approx(0.004 * math.sqrt(base.model.dim / cfg.model.dim), rel=1e-12)
+        dims.add(cfg.model.dim)
+    assert len(dims) >= 3 and min(dims) < base.model.dim < max(dims)  # narrower and wider than the base
+    assert _plan(tmp_path / "b", "--lr", "0.002") == 0
+    for r in csv.DictReader(open(tmp_path / "b" / "manifest.csv")):
+        assert load_config(tmp_path / "b" / r["config"]).optimizer.lr == 0.002
+
+
 def test_a_base_without_validation_data_is_refused_at_plan_time(tmp_path, capsys):
     assert _plan(tmp_path / "a", "data.validation=[]") == 2
     assert "the base config has no data.validation" in _one_error(capsys)
@@ -476,3 +526,68 @@ def test_unwritable_outputs_are_one_line(tmp_path, capsys):
     path = _write_csv(tmp_path / "points.csv", synthetic(CHINCHILLA, budgets=(1e18, 1e19, 1e20), sizes=5))
     assert main(["scaling", "plot", str(path), "--out", str(tmp_path / "file")]) == 2
     assert "--out" in _one_error(capsys)
+
+
+@pytest.mark.slow
+def test_scaling_run_nproc_trains_on_that_many_ranks_and_failed_runs_exit_2(tmp_path, capfd):
+    """`scaling run --nproc 2` trains a run under torchrun with 2 ranks; a sweep whose runs fail goes
+    on with the others, then names the failed ones in one line and exits 2 (finished runs skipped)."""
+    from pretrain.checkpoint import read_meta
+    from pretrain.scaling.run import planned_runs
+
+    sweep = tmp_path / "sweep"
+    assert main(["scaling", "plan", str(SCALING_TINY), "data.seq_len=32", "train.global_batch_size=4",
+                 "train.micro_batch_size=2", "logging.progress=false", "train.eval_batches=1", "--budgets", "1e9",
+                 "--sizes", "3", "--span", "4", "--out", str(sweep)]) == 0
+    runs = planned_runs(sweep)
+    assert len(runs) == 3
+    last = runs[2]
+    assert main(["scaling", "run", str(sweep), "--index", "2", "--nproc", "2"]) == 0
+    final = sweep / "runs" / last["run"] / "checkpoints" / f"step_{last['steps']:08d}"
+    assert read_meta(final)["world_size"] == 2
+    assert json.loads((final / "data_state.json").read_text())["consumed"] == last["steps"] * 4
+    assert [r["step"] for r in read_metrics(sweep / "runs" / last["run"]) if "train/loss" in r][-1] == last["steps"]
+    capfd.readouterr()
+    for r in runs[:2]:  # a file where the run dir should be: each of these runs fails to start (exit 2)
+        (sweep / "runs" / r["run"]).write_text("not a directory")
+    assert main(["scaling", "run", str(sweep)]) == 2
+    out, err = capfd.readouterr()
+    assert f"[1/3] {runs[0]['run']}: training" in out and f"[2/3] {runs[1]['run']}: training" in out
+    assert f"[3/3] {last['run']}: finished, skipped" in out
+    lines = [x for x in err.splitlines() if x.startswith("pretrain: error: ")]
+    assert lines[-1] == (f"pretrain: error: 2 run(s) failed: {runs[0]['run']} (exit 2), {runs[1]['run']} (exit 2); the "
+                         f"others are done. Fix the cause, then run `pretrain scaling run {sweep}` again (finished "
+                         "runs are skipped)")
+
+
+@pytest.mark.slow
+def test_a_signal_during_a_decay_branch_reruns_the_branch_on_resume(tmp_path):
+    """SIGTERM in step 11, inside the WSD-S branch that decays from step 8 to 16: the run stops with
+    the checkpoint of the branch's start (step 8) and exit 75; the resume runs the whole branch
+    again, then the stable phase, and the run equals an uninterrupted one (every step, the branch's
+    result, the final eval)."""
+    import subprocess
+    import sys
+
+    from helpers import losses, train_env
+
+    wsd = SMALL + ["logging.log_every=1", "schedule.kind=wsd", "schedule.decay_fraction=0.5", "train.max_steps=24",
+                   "schedule.decay_points=[16]", "train.eval_batches=1"]
+    run_train(wsd + [f"train.run_dir={tmp_path / 'straight'}"])
+    run = tmp_path / "stopped"
+    proc = subprocess.run([sys.executable, "-m", "pretrain", "train", str(TINY), "logging.progress=false", *wsd,
+                           f"train.run_dir={run}"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=train_env({"PRETRAIN_FAULT": "signal@step=11,signum=15"}), start_new_session=True)
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    assert "decay branch to step 16 (schedule.decay_points), then back here" in proc.stdout
+    assert "received SIGTERM: saved step 8; exiting with 75" in proc.stdout
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000008"]
+    assert not [r for r in read_metrics(run) if "branch/end_step" in r]  # the branch never finished
+    run_train(wsd + [f"train.run_dir={run}", "checkpoint.resume=auto"])
+    straight = tmp_path / "straight"
+    assert losses(run) == losses(straight) and sorted(losses(run)) == list(range(1, 25))
+    [branch] = [r for r in read_metrics(run) if "branch/end_step" in r]
+    [want] = [r for r in read_metrics(straight) if "branch/end_step" in r]
+    assert branch == want and branch["step"] == 8 and "branch/eval_loss" in branch
+    final = [[r["eval/loss"] for r in read_metrics(d) if "eval/loss" in r] for d in (run, straight)]
+    assert final[0] == final[1] and len(final[0]) == 1

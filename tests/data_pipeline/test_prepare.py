@@ -181,3 +181,59 @@ def test_an_input_changed_since_is_prepared_again(corpus, tmp_path, tok):
     prepare(cfg, out, num_proc=1, progress=False)
     docs = corpus_docs(corpus)
     assert prepared_tokens(out) == doc_tokens(tok, docs) and not list(out.rglob("*.tmp"))
+
+
+def test_merge_removes_what_killed_tasks_left(corpus, tmp_path, tok):
+    """A task killed while writing leaves `*.tmp` files (tokens and shard records, named by its pid)
+    and, killed between two files, a token file no record lists: --merge removes them all."""
+    cfg = data_cfg(corpus)
+    out = tmp_path / "tasks"
+    for i in range(2):
+        prepare(cfg, out, num_proc=1, task_index=i, num_tasks=2, progress=False)
+    debris = [out / "tokens-00001.bin.4242.tmp", out / "tokens-00001-1.bin.4242.tmp", out / "parts" / "shard-00002.json.4243.tmp",
+              out / "tokens-00007.bin"]
+    for path in debris:
+        path.write_bytes(b"\1\0" * 10)
+    prepare(cfg, out, merge=True)
+    assert not any(p.exists() for p in debris)
+    meta = json.loads((out / "meta.json").read_text())
+    assert sorted(p.name for p in out.iterdir()) == sorted(["meta.json", "parts", *(s["file"] for s in meta["shards"])])
+    assert sorted(p.name for p in (out / "parts").iterdir()) == [f"shard-{k:05d}.json" for k in range(3)]
+    assert prepared_tokens(out) == doc_tokens(tok, corpus_docs(corpus))
+
+
+def _big_vocab_tokenizer(path, size: int):
+    """A word-level tokenizer of `size` tokens: w0 ... w{size-2} and the end-of-text token last."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(size - 1)} | {"<|endoftext|>": size - 1}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.save(str(path))
+    return tk
+
+
+def test_a_vocabulary_over_65536_is_prepared_as_uint32_and_read_back_exactly(tmp_path):
+    import random
+
+    tk = _big_vocab_tokenizer(tmp_path / "big.json", 70_000)
+    rng = random.Random(0)
+    docs = [" ".join(f"w{rng.choice([rng.randrange(70_000 - 1), rng.randrange(65_530, 65_540)])}"
+                     for _ in range(rng.randint(5, 40))) for _ in range(200)]
+    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    expected = doc_tokens(tk, docs, eot=69_999)
+    assert max(expected) == 69_999 and sum(t >= 65_536 for t in expected) > 100  # ids uint16 would wrap
+    cfg = data_cfg(src, tokenizer=str(tmp_path / "big.json"), num_streams=1, shuffle_blocks=1, shuffle_shards=False)
+    [out] = prepare(cfg, tmp_path / "prep", num_proc=1, progress=False)
+    meta = json.loads((out / "meta.json").read_text())
+    assert (meta["dtype"], meta["vocab_size"], meta["eot_id"]) == ("uint32", 70_000, 69_999)
+    assert (out / "tokens-00000.bin").stat().st_size == 4 * len(expected)
+    assert prepared_tokens(out) == expected
+    # and the loader reads the windows back exactly: the same as streaming the text
+    pcfg = data_cfg(SourceConfig(path=str(out)), tokenizer=str(tmp_path / "big.json"), num_streams=1,
+                    shuffle_blocks=1)
+    n = len(expected) // 17 // 4
+    prepared = windows(take(build_loader(pcfg, str(tmp_path / "big.json"), 0, 1, 4), n))
+    assert prepared.max() >= 65_536
+    assert prepared.tolist() == torch.tensor(expected[:n * 4 * 17]).reshape(-1, 17).tolist()
+    assert torch.equal(prepared, windows(take(build_loader(cfg, str(tmp_path / "big.json"), 0, 1, 4), n)))

@@ -1,0 +1,164 @@
+"""`pretrain eval`: `--data SRC` scores that source instead of the config's validation data, and
+`--micro-batch-size` changes only how many sequences go through one forward: both give the numbers
+computed here from the same windows, with a plain cross-entropy over the model's logits."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import data_pipeline as dp
+from helpers import REPO, train_env
+from pretrain import distributed
+from pretrain.config import load_config
+from pretrain.evaluate import _config, evaluate
+from pretrain.model.args import ModelArgs
+from pretrain.model.model import Transformer
+
+ENV = distributed.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+TOKENIZER = "builtin:python-bpe-512"
+WORDS = "the value of a list is returned by the function when its name is called from a module".split()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A small held-out file (a full pass is a few dozen windows) and a config whose own validation
+    data is something else (the built-in docs)."""
+    import random
+
+    d = tmp_path_factory.mktemp("eval")
+    rng = random.Random(0)
+    path = d / "held_out.jsonl"
+    path.write_text("".join(json.dumps({"text": f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 40)))})
+                            + "\n" for i in range(40)))
+    config = d / "eval.yaml"
+    config.write_text(f"data:\n  tokenizer: {TOKENIZER}\n  seq_len: 32\n  num_streams: 2\n  validation:\n"
+                      "    - path: builtin:python-docs\n      split: validation\ntrain:\n  micro_batch_size: 4\n")
+    return path, config
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=512, multiple_of=32,
+                              max_seq_len=64))
+    m.init_weights()
+    return m.eval()
+
+
+def _cfg(config, source):
+    return load_config(str(config), [f"data.validation=[{{path: {source}}}]"])
+
+
+def reference(model, tokenizer, cfg, sequences: int = 0) -> dict:
+    """Loss, bits per byte and counts over the windows, one window at a time."""
+    loss_sum, tokens, n_bytes, n = 0.0, 0, 0, 0
+    with torch.no_grad():
+        for w in dp.evaluation_windows(cfg.data, tokenizer, 0, 1, sequences):
+            w = torch.from_numpy(w.astype("int64"))
+            logits = model(w[None, :-1])[0].double()
+            loss_sum += F.cross_entropy(logits, w[1:], reduction="sum").item()
+            tokens += len(w) - 1
+            n_bytes += len(tokenizer.decode(w[1:].tolist(), skip_special_tokens=False).encode("utf-8"))
+            n += 1
+    return {"loss": loss_sum / tokens, "bits_per_byte": loss_sum / (math.log(2) * n_bytes), "tokens": tokens,
+            "bytes": n_bytes, "sequences": n}
+
+
+def _same(got: dict, want: dict) -> None:
+    assert {k: got[k] for k in ("tokens", "bytes", "sequences")} == {k: want[k] for k in ("tokens", "bytes", "sequences")}
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    assert got["bits_per_byte"] == pytest.approx(want["bits_per_byte"], rel=1e-5)
+    assert got["perplexity"] == pytest.approx(math.exp(got["loss"]), rel=1e-12)
+
+
+@pytest.mark.parametrize("batches", [0, 2])
+def test_micro_batch_size_changes_nothing_but_the_batching(model, data, batches):
+    """A full pass (batches 0) and the first 2 global batches of 4 sequences, at micro-batch sizes 1,
+    3 (a short last batch), 4 (the config's: 0) and 7."""
+    path, config = data
+    tokenizer = dp.load_tokenizer(TOKENIZER)
+    cfg = _cfg(config, path)
+    want = reference(model, tokenizer, cfg, batches * cfg.global_batch(1))
+    assert want["sequences"] == (8 if batches else want["sequences"]) and want["sequences"] >= 8
+    for micro in (1, 3, 0, 7):
+        sizes = []
+        hook = model.register_forward_pre_hook(lambda module, args: sizes.append(len(args[0])))
+        try:
+            _same(evaluate(model, tokenizer, cfg, ENV, batches, micro), want)
+        finally:
+            hook.remove()
+        b = micro or 4
+        assert sizes == [b] * (want["sequences"] // b) + [want["sequences"] % b] * bool(want["sequences"] % b)
+
+
+def test_data_replaces_the_configs_validation_sources(model, data, tmp_path):
+    path, config = data
+    tokenizer = dp.load_tokenizer(TOKENIZER)
+    cfg = _config(tmp_path, True, str(config), [], str(path))  # an HF model dir: CONFIG for the rest
+    assert [s.path for s in cfg.data.validation] == [str(path)] and cfg.data.seq_len == 32
+    _same(evaluate(model, tokenizer, cfg, ENV), reference(model, tokenizer, _cfg(config, path)))
+    saved = tmp_path / "ckpt"  # a checkpoint: its own config.yaml for the rest
+    saved.mkdir()
+    (saved / "config.yaml").write_text(config.read_text())
+    cfg = _config(saved, False, None, ["data.seq_len=16"], str(path))
+    assert [s.path for s in cfg.data.validation] == [str(path)] and cfg.data.seq_len == 16
+
+
+@pytest.mark.slow
+def test_eval_command_with_data_and_micro_batch_size(data, tmp_path, monkeypatch, capsys):
+    """`pretrain eval MODEL CONFIG --data FILE --micro-batch-size 3` on a Hugging Face model directory:
+    the numbers of the same windows computed here, and those of a config whose validation is FILE;
+    the model sees batches of 3 sequences (the same command in this process, to watch it)."""
+    transformers = pytest.importorskip("transformers")
+    import shutil
+
+    from pretrain.export import load_for_inference
+
+    path, config = data
+    hf = tmp_path / "hf"
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(hf)
+    shutil.copy(REPO / "data_pipeline" / "assets" / "python-bpe-512.json", hf / "tokenizer.json")
+    own = tmp_path / "own.yaml"
+    own.write_text(config.read_text().replace("    - path: builtin:python-docs\n      split: validation\n",
+                                              f"    - path: {path}\n"))
+
+    def pretrain_eval(*args):
+        out = tmp_path / f"eval{len(list(tmp_path.glob('eval*.json')))}.json"
+        proc = subprocess.run([sys.executable, "-m", "pretrain", "eval", str(hf), *args, "--json", str(out)], cwd=REPO,
+                              env=train_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(out.read_text())
+
+    got = pretrain_eval(str(config), "--data", str(path), "--micro-batch-size", "3")
+    model, tokenizer, _ = load_for_inference(str(hf))
+    want = reference(model, tokenizer, _cfg(config, path))
+    _same(got, want)
+    _same(pretrain_eval(str(own)), want)
+
+    import pretrain.evaluate
+    from pretrain.cli import main
+
+    sizes, real = [], pretrain.evaluate.evaluate
+
+    def watched(model, *args, **kwargs):
+        model.register_forward_pre_hook(lambda module, inputs: sizes.append(len(inputs[0])))
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(pretrain.evaluate, "evaluate", watched)
+    monkeypatch.setattr(distributed, "init", lambda *args, **kwargs: ENV)  # (no process group in this process)
+    monkeypatch.setattr(distributed, "shutdown", lambda: None)
+    assert main(["eval", str(hf), str(config), "--data", str(path), "--micro-batch-size", "3", "--json",
+                 str(tmp_path / "here.json")]) == 0
+    _same(json.loads((tmp_path / "here.json").read_text()), want)
+    n = want["sequences"]
+    assert sizes == [3] * (n // 3) + [n % 3] * bool(n % 3)
+    assert f"{n:,} sequences, {want['tokens']:,} tokens" in capsys.readouterr().out
