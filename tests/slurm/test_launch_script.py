@@ -119,3 +119,47 @@ def test_pretrain_nodes_outside_the_allocation_is_one_line(nodes):
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"pretrain.sbatch: PRETRAIN_NODES={nodes}: give 1 to 1 (the allocation's nodes)"]
     assert "launch:" not in r.stdout
+
+
+def test_rdzv_port_sets_the_rendezvous_port():
+    """RDZV_PORT from the environment is the launch line's rendezvous port, in place of the job's own
+    (15000 + job id % 15000, checked on the cluster in test_pretrain_sbatch.py)."""
+    host = subprocess.run(["hostname"], capture_output=True, text=True, check=True).stdout.strip()
+    r = dry_run(CONFIG, GPUS_PER_NODE="0", RDZV_PORT="23456", SLURM_JOB_ID="31234")
+    assert r.returncode == 0, r.stderr
+    assert f"--rdzv-endpoint={host}:23456 --rdzv-id=31234-0 " in launch_line(r.stdout)
+    assert f"rendezvous {host}:23456" in r.stdout
+
+
+@pytest.mark.slow
+def test_pretrain_requeue_0_saves_on_usr1_and_stops_without_requeue(slurm_cluster, tmp_path):
+    """PRETRAIN_REQUEUE=0: the time-limit signal (USR1, sent here with `scancel --signal=USR1` once
+    the run trains; max_steps far beyond what it can reach) saves a checkpoint and the job stops
+    (the trainers exit 75), not requeued."""
+    import re
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from helpers import read_metrics
+
+    fast = ["data.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4", "distributed.zero_stage=3",
+            "logging.log_every=1", "logging.progress=false", "logging.wandb=disabled"]
+    job = slurm_cluster.start("slurm/pretrain.sbatch", [CONFIG, *fast, "train.max_steps=100000",
+                                                        f"train.run_dir={tmp_path}"],
+                              env={"GPUS_PER_NODE": "0", "PRETRAIN_REQUEUE": "0"},
+                              sbatch_opts=["--gpus-per-node=0", "--cpus-per-task=1"])
+    metrics = tmp_path / "metrics.jsonl"
+    job.wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 120, "training")
+    slurm_cluster.run("scancel", "--signal=USR1", str(job.job_id))
+    r = job.wait(timeout=90)
+    out = r.output
+    saved = re.findall(r"^pretrain: received SIGUSR1: saved step (\d+); exiting with 75", out, re.M)
+    assert len(saved) == 1, out[-6000:]
+    step = int(saved[0])
+    assert (tmp_path / "checkpoints" / f"step_{step:08d}" / "manifest.json").is_file()
+    assert "scontrol requeue" not in out and "(restart 1)" not in out and "DUE TO JOB REQUEUE" not in out
+    # (torchrun reports any failed worker as exit 1; the trainer recorded its own 75)
+    assert re.search(r"^job step failed \(exit \d+, recorded: 75\); not restarted", out, re.M), out[-3000:]
+    assert r.returncode == 75  # the trainer's code (resumable), not torchrun's 1
+    assert job.info().get("Restarts", "0") == "0"
+    assert max(rec["step"] for rec in read_metrics(tmp_path) if "train/loss" in rec) == step < 100000
