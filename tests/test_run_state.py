@@ -110,17 +110,20 @@ def test_an_overflow_with_a_finite_loss_stops_and_keeps_the_checkpoint(tmp_path,
     assert [p.name for p in (tmp_path / "skip" / "checkpoints").glob("step_*")] == ["step_00000003"]
 
 
-def test_skipped_steps_advance_the_schedule_and_log_the_rate_they_used(tmp_path):
+@pytest.mark.parametrize("stage", [0, 3])
+def test_skipped_steps_advance_the_schedule_and_log_the_rate_they_used(tmp_path, stage):
     """Adam with beta1 = beta2 = 0 and no weight decay moves each weight by lr x g / (|g| + eps), so
     by lr wherever its gradient is not tiny: the rate a step used, read off the weights of consecutive
     checkpoints (independently of the trainer and of Schedule), equals its logged train/lr. Step 3 is
     dropped (a NaN loss, on_nonfinite=skip): its weights do not move, and the schedule still
-    advances past it (step 4 uses step 4's rate, not step 3's)."""
+    advances past it (step 4 uses step 4's rate, not step 3's). At stage 0 our guard is what drops
+    it; at ZeRO-3 DeepSpeed's own overflow check does it first."""
     from pretrain.checkpoint import consolidated_state_dict
 
     over = O + ["optimizer.lr=1e-3", "optimizer.beta1=0", "optimizer.beta2=0", "optimizer.weight_decay=0",
                 "optimizer.grad_clip=0", "schedule.warmup_steps=2", "schedule.decay_steps=4", "schedule.min_lr=0",
-                "train.max_steps=5", "train.on_nonfinite=skip", "checkpoint.every=1", "checkpoint.keep_last=10"]
+                "train.max_steps=5", "train.on_nonfinite=skip", "checkpoint.every=1", "checkpoint.keep_last=10",
+                f"distributed.zero_stage={stage}"]
     run_train(over + [f"train.run_dir={tmp_path}"], env={"PRETRAIN_FAULT": "nan@step=3"})
     records = {r["step"]: r for r in read_metrics(tmp_path) if "train/loss" in r}
     assert [records[s]["train/skipped_steps"] for s in range(1, 6)] == [0, 0, 1, 1, 1]

@@ -82,6 +82,8 @@ def ladder_cli(args) -> None:
         log.warning("warning: step 1 does not hold: %s", w)
     print(f"step 2: {metric} = {sig['a']:.4g} / (1 + exp(-({sig['k']:.4g}) (bpb - {sig['x0']:.4g}))) + {sig['b']:.4g} "
           f"(RMS error {sig['rms']:.3g})")
+    for w in sig["problems"]:
+        log.warning("warning: step 2: %s", w)
     ci = lambda k: (f" (95% interval {t[k + '_interval'][0]:.4g} - {t[k + '_interval'][1]:.4g}, "  # noqa: E731
                     f"{t['bootstrap']} resamples)" if t[k + "_interval"] else "")
     print(f"at N = {t['params']:.4g}, D = {t['tokens']:.4g}: {task}/bpb {t['bpb']:.4f}{ci('bpb')}, "

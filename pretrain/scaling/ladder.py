@@ -81,20 +81,41 @@ def _from_csv(path: Path, metric: str) -> list[TaskPoint]:
 
 
 def sigmoid(x, a, k, x0, b):
-    return a / (1 + np.exp(-k * (np.asarray(x, dtype=float) - x0))) + b
+    """a / (1 + exp(-k (x - x0))) + b, without overflow."""
+    from scipy.special import expit
+
+    return a * expit(k * (np.asarray(x, dtype=float) - x0)) + b
 
 
 def fit_sigmoid(bpb, value) -> dict:
-    """The sigmoid through (bpb, value) by least squares (scipy), from a start read off the points."""
+    """The sigmoid through (bpb, value) by least squares (scipy), from a start read off the points.
+    The metric is a share (accuracy): the floor b and the ceiling a + b are kept within [0, 1]
+    (fitted as a = f (1 - b), f and b in [0, 1]), so a sweep that sees only the foot of the curve
+    cannot extrapolate it past 1."""
     from scipy.optimize import least_squares
 
     x, y = np.asarray(bpb, dtype=float), np.asarray(value, dtype=float)
     spread = float(np.ptp(x)) or 1.0
-    start = [max(float(np.ptp(y)), 1e-3), -4.0 / spread, float(np.median(x)), float(y.min())]
-    res = least_squares(lambda t: sigmoid(x, *t) - y, start, method="trf", max_nfev=20000,
-                        bounds=([0.0, -np.inf, -np.inf, -np.inf], [np.inf, 0.0, np.inf, np.inf]))
-    a, k, x0, b = (float(v) for v in res.x)
-    return {"a": a, "k": k, "x0": x0, "b": b, "rms": float(np.sqrt(np.mean(res.fun ** 2)))}
+    b0 = min(max(float(y.min()), 0.0), 0.99)
+    start = [min(max(float(np.ptp(y)) / (1 - b0), 1e-3), 1.0), -4.0 / spread, float(np.median(x)), b0]
+    res = least_squares(lambda t: sigmoid(x, t[0] * (1 - t[3]), t[1], t[2], t[3]) - y, start, method="trf",
+                        max_nfev=20000, bounds=([0.0, -np.inf, -np.inf, 0.0], [1.0, 0.0, np.inf, 1.0]))
+    f, k, x0, b = (float(v) for v in res.x)
+    return {"a": f * (1 - b), "k": k, "x0": x0, "b": b, "rms": float(np.sqrt(np.mean(res.fun ** 2)))}
+
+
+def step2_problems(points: list[TaskPoint], sig: dict, target_bpb: float) -> list[str]:
+    """Why step 2 may not carry the prediction (empty: it does)."""
+    out = []
+    values, bpbs = [p.value for p in points], [p.bpb for p in points]
+    spread = max(values) - min(values)
+    if spread < 3 * sig["rms"]:
+        out.append(f"the metric moves by {spread:.3g} over the points, within 3x the fit's noise ({sig['rms']:.3g}): "
+                   "the sweep does not reach the task's rise (larger runs, or an easier task)")
+    if target_bpb < min(bpbs) - (max(bpbs) - min(bpbs)):
+        out.append(f"the target's bpb {target_bpb:.3g} is further below the points' lowest ({min(bpbs):.3g}) than "
+                   "they span: the sigmoid is extrapolated past its data")
+    return out
 
 
 def ladder(points: list[TaskPoint], params: float, tokens: float, bootstrap: int = 200, seed: int = 0) -> dict:
@@ -124,7 +145,7 @@ def ladder(points: list[TaskPoint], params: float, tokens: float, bootstrap: int
         draws.append(then(refit, pick)[1:])
     interval = lambda i: [float(np.percentile([d[i] for d in draws], q)) for q in (2.5, 97.5)] if draws else []  # noqa: E731
     return {"step1": {"law": law["law"], "residuals": law["residuals"], "problems": F.problems(law)},
-            "step2": sig, "target": {"params": params, "tokens": tokens, "bpb": bpb, "value": value,
+            "step2": {**sig, "problems": step2_problems(points, sig, bpb)}, "target": {"params": params, "tokens": tokens, "bpb": bpb, "value": value,
                                      "bpb_interval": interval(0), "value_interval": interval(1),
                                      "bootstrap": len(draws)}}
 
@@ -184,7 +205,7 @@ def plot(points: list[TaskPoint], result: dict, target: str, out: str) -> list[P
     ax.set_ylabel(f"{task} {metric}")
     ax.set_title(f"step 2: {metric} from bpb", fontsize=9)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left")  # (high bpb, high metric: empty)
     fig.tight_layout()
     paths.append(out_dir / "ladder_metric.png")
     fig.savefig(paths[-1], dpi=110)

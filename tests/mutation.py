@@ -1,0 +1,475 @@
+"""Mutation check: do the tests catch the bugs that matter? (Not part of CI; see docs/testing.md.)
+
+    python tests/mutation.py                      # every mutant; a table; exit 1 if one survived
+    python tests/mutation.py --list               # the mutants, their files and the tests that should kill them
+    python tests/mutation.py --only compile,rope-table --json out.json
+    python tests/mutation.py --check              # only: does every mutant's snippet still match?
+
+Each mutant is a small change to a switch or an invariant (a call left out, a flag ignored, an
+off-by-one), made as an exact string replacement that must match exactly once (else the mutant is
+STALE: the code moved, update the mutant). For each one the repository's files (tracked ones as
+they are in the working tree, plus untracked files git does not ignore) are copied into a fresh
+temporary directory, the mutant is applied there, and its tests run in that copy:
+
+    python -m pytest -q -x -p no:cacheprovider -rfE <tests>     (cwd = the copy, PYTHONPATH = the copy)
+
+PYTHONPATH puts the copy ahead of the editable install, for pytest and for every process the tests
+start (`sys.executable -m pretrain`, torchrun ranks), whose cwd is the copy too. The working tree is
+never touched. A mutant is killed when its tests fail (pytest exit 1, or 2 for a collection error,
+e.g. an import the mutant broke); it SURVIVED when they pass. The selected tests first run once on
+an unmutated copy (the baseline): if they do not pass there, nothing is concluded and the check
+stops. Two canary mutants (an import error, a `python -m pretrain` that exits at once) show that
+the copy, not the installed tree, is what the tests and their subprocesses run.
+
+Importing this module does nothing (pytest does not collect it: it is not named test_*.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str  # relative to the repository root
+    edits: tuple[tuple[str, str], ...]  # (old, new): each old occurs exactly once in the file
+    breaks: str  # what the change breaks, one line
+    tests: tuple[str, ...]  # pytest node ids, cheapest and most likely killer first (-x stops at the first failure)
+    k: str | None = None  # an optional -k expression over `tests`
+
+
+def mutant(name: str, file: str, old: str, new: str, breaks: str, *tests: str, k: str | None = None,
+           more: tuple[tuple[str, str], ...] = ()) -> Mutant:
+    return Mutant(name, file, ((old, new), *more), breaks, tests, k)
+
+
+TRAIN = "tests/test_train.py"
+RUN_STATE = "tests/test_run_state.py"
+CKPT = "tests/test_checkpoint.py"
+
+MUTANTS = [
+    # -- canaries: prove that the tests (in process and in their subprocesses) run the mutated copy
+    mutant("canary-import", "pretrain/parallelize.py",
+           "import functools\n", "import functools\nraise ImportError('mutation canary')\n",
+           "pretrain.parallelize cannot be imported (in-process imports must load the copy)",
+           "tests/test_parallelize.py::test_deepspeed_config_from_ours"),
+    mutant("canary-subprocess", "pretrain/__main__.py",
+           "from pretrain.cli import main\n", "sys.exit(97)\nfrom pretrain.cli import main\n",
+           "`python -m pretrain` exits 97 at once (subprocesses must load the copy)",
+           f"{TRAIN}::test_unknown_override_fails_fast_with_one_line"),
+
+    # -- switches: a config field that must reach the code that acts on it
+    mutant("compile", "pretrain/build.py",
+           "    if cfg.train.compile:\n        apply_compile(engine, cfg.distributed.zero_stage)\n",
+           "    if cfg.train.compile:\n        pass\n",
+           "train.compile=true compiles nothing (apply_compile never called)",
+           f"{TRAIN}::test_compile_trains_to_the_same_losses[0-fp32]"),
+    mutant("activation-checkpointing", "pretrain/parallelize.py",
+           "    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)\n    return model\n",
+           "    return model\n",
+           "train.activation_checkpointing is ignored: every activation is stored",
+           f"{TRAIN}::test_switches_change_what_is_saved_for_backward"),
+    mutant("loss-chunk", "pretrain/trainer.py",
+           "loss = self.engine(inputs, labels, loss_chunk=self.cfg.train.loss_chunk_tokens)",
+           "loss = self.engine(inputs, labels, loss_chunk=0)",
+           "train.loss_chunk_tokens is not passed to the training forward (all logits at once)",
+           f"{TRAIN}::test_switches_change_what_is_saved_for_backward"),
+    mutant("clip-deepspeed", "pretrain/parallelize.py",
+           '"gradient_clipping": 0.0 if trainer_clips(cfg, precision) else cfg.optimizer.grad_clip,',
+           '"gradient_clipping": 0.0,',
+           "optimizer.grad_clip never reaches DeepSpeed: no clipping anywhere but ZeRO-0 fp32 (where the trainer clips)",
+           "tests/test_parallelize.py::test_deepspeed_config_from_ours",
+           f"{TRAIN}::test_zero_stage_0_trains_like_zero_3_with_clipping"),
+    mutant("clip-stage0", "pretrain/trainer.py",
+           "self.clip = cfg.optimizer.grad_clip if trainer_clips(cfg, precision) else 0.0",
+           "self.clip = 0.0",
+           "ZeRO stage 0 in fp32 (the trainer clips there) never clips",
+           f"{TRAIN}::test_zero_stage_0_trains_like_zero_3_with_clipping"),
+    mutant("grad-accum-dtype", "pretrain/parallelize.py",
+           '           if precision == "bf16" else {}),',
+           '           if False else {}),',
+           "distributed.grad_dtype not written to the DeepSpeed config: bf16 runs accumulate and reduce in bf16",
+           "tests/test_engine.py::test_zero3_bf16_trains_the_model_that_is_exported"),
+
+    # -- optimizer and schedule
+    mutant("weight-decay-groups", "pretrain/optim.py",
+           "if ndim < 2 or (is_embedding and not cfg.decay_embeddings):",
+           "if ndim < 2 and (is_embedding and not cfg.decay_embeddings):",
+           "norms and embeddings go back into the weight-decay group",
+           "tests/test_parallelize.py::test_no_weight_decay_on_norms_and_embeddings"),
+    mutant("warmup-off-by-one", "pretrain/schedule.py",
+           "        return peak * (step + 1) / warmup\n", "        return peak * step / warmup\n",
+           "warmup starts at lr 0 (step s gets s/warmup of the peak, not (s+1)/warmup): step 1 learns nothing",
+           "tests/test_parallelize.py::test_warmup_then_cosine_to_the_floor",
+           f"{RUN_STATE}::test_skipped_steps_advance_the_schedule_and_log_the_rate_they_used"),
+    mutant("warmup-off-by-one-wsd", "pretrain/schedule.py",
+           "            return self.peak * (step + 1) / self.warmup\n", "            return self.peak * step / self.warmup\n",
+           "the same off-by-one in the WSD/constant schedules' warmup",
+           "tests/test_scaling.py::test_wsd_warms_up_holds_then_decays_with_its_shape[linear-0.5]"),
+
+    # -- data position
+    mutant("data-position", "data_pipeline/loader.py",
+           '        self._m = int(state["consumed"]) // self.world_size\n',
+           '        self._m = int(state["consumed"]) // self.world_size + 1\n',
+           "a resumed loader starts one sequence per rank past its saved position (data skipped)",
+           "tests/data_pipeline/test_resume.py::test_exact_resume_three_times[no-shuffle]",
+           "tests/data_pipeline/test_resume.py::test_world_size_change[3 files-0]"),
+
+    # -- checkpoints
+    mutant("checksum-skipped", "pretrain/checkpoint.py",
+           '        if sha256(path) != want["sha256"]:\n', "        if False:\n",
+           "the sha256 of a checkpoint's files is never compared with its manifest (bit flips load)",
+           f"{RUN_STATE}::test_export_and_generate_verify_the_checkpoint_first[flip]",
+           f"{CKPT}::test_flipped_bytes_fail_the_checksum"),
+    mutant("reader-unverified", "pretrain/checkpoint.py",
+           "    problem = _check_files(ckpt)\n", "    problem = None\n",
+           "export/generate/eval open a checkpoint without verifying it against its manifest",
+           f"{RUN_STATE}::test_export_and_generate_verify_the_checkpoint_first[flip]"),
+    mutant("resume-unverified", "pretrain/checkpoint.py",
+           "_check_files(ckpt, self.env.rank, self.env.world_size)) if p]", "None) if p]",
+           "resume (and init_from) never verify a checkpoint: a broken one is resumed from",
+           f"{CKPT}::test_rotation_and_interrupted_saves"),
+    mutant("resume-without-optimizer", "pretrain/checkpoint.py",
+           "load_optimizer_states=True,", "load_optimizer_states=False,",
+           "a resume restores the weights but not the Adam moments: not an exact resume",
+           f"{RUN_STATE}::test_resume_from_an_older_checkpoint_does_not_repeat_steps"),
+    mutant("universal-hyperparameters", "pretrain/checkpoint.py",
+           "                group.update(saved)\n", "                pass\n",
+           "a resume at another world size keeps DeepSpeed's universal-loader bug: weight decay on norms and embeddings",
+           f"{CKPT}::test_resume_at_another_world_size[2-1]"),
+    mutant("universal-shared-step", "pretrain/checkpoint.py",
+           'state["step"] = state["step"].clone().to(', 'state["step"] = state["step"].to(',
+           "a resume at another world size shares one Adam `step` tensor between groups (counted twice a step)",
+           f"{CKPT}::test_resume_at_another_world_size[2-1]"),
+
+    # -- model
+    mutant("rope-table", "pretrain/parallelize.py",
+           "        model.reset_rope_table()  # zero.Init built it in bf16 (its patched constructors)\n", "",
+           "under ZeRO-3 + bf16 the RoPE table stays bf16 (positions past 256 rounded)",
+           "tests/test_engine.py::test_zero3_bf16_trains_the_model_that_is_exported"),
+    mutant("tied-init-draws-head", "pretrain/model/model.py",
+           "            if not self.args.tie_embeddings:\n                nn.init.normal_(self.output.weight",
+           "            if True:\n                nn.init.normal_(self.output.weight",
+           "a tied head is drawn again after the blocks, replacing the embedding's initialisation",
+           "tests/model/test_model_init.py::test_tied_init_draws_the_embedding_once"),
+    mutant("rmsnorm-eps", "pretrain/model/model.py",
+           "F.rms_norm(x.float(), (x.size(-1),), eps=self.eps)", "F.rms_norm(x.float(), (x.size(-1),), eps=None)",
+           "RMSNorm ignores model.norm_eps (torch's default eps): logits drift from HF Llama's",
+           "tests/model/test_hf.py::test_logits_match_hf[gqa-eager]"),
+    mutant("swiglu-gate-up-swapped", "pretrain/model/model.py",
+           "return self.w2(F.silu(self.w1(x)) * self.w3(x))", "return self.w2(F.silu(self.w3(x)) * self.w1(x))",
+           "SwiGLU gates with w3 instead of w1 (HF's gate/up swapped): not HF Llama",
+           "tests/model/test_hf.py::test_logits_match_hf[gqa-eager]"),
+
+    # -- resilience
+    mutant("compute-clock-no-hooks", "pretrain/resilience.py",
+           "self.handles = [h for m in timed for h in", "self.handles = [h for m in timed[:0] for h in",
+           "the straggler report's compute clock registers no hooks: a slow device is never named",
+           "tests/test_resilience.py::test_a_slow_device_is_found_by_its_compute_time[3]"),
+    mutant("spikes-never-found", "pretrain/resilience.py",
+           "        if not self.sigma or len(self.losses) < self.warmup:\n            return \"\"\n",
+           "        if True:\n            return \"\"\n",
+           "spike detection is off (Spikes.check always answers no spike)",
+           "tests/test_resilience.py::test_a_spike_is_skipped_and_the_resume_decides_the_same"),
+    mutant("nonfinite-update-applied", "pretrain/trainer.py",
+           '# stop: raises\n                return None\n', '# stop: raises\n                return step(*args, **kwargs)\n',
+           "a step dropped as non-finite (loss or gradient norm) still updates the weights",
+           f"{RUN_STATE}::test_skipped_steps_advance_the_schedule_and_log_the_rate_they_used",
+           f"{TRAIN}::test_nonfinite_loss_skip_leaves_weights_untouched",
+           f"{RUN_STATE}::test_an_overflow_with_a_finite_loss_stops_and_keeps_the_checkpoint[0]",
+           more=(("                self._grad_nonfinite = True\n                return None\n",
+                  "                self._grad_nonfinite = True\n                return step(*args, **kwargs)\n"),)),
+    mutant("nonfinite-norm-unchecked", "pretrain/trainer.py",
+           "if not math.isfinite(norm_value) or norm_value < 0:", "if False:",
+           "the guard no longer checks the gradient norm: a finite loss with inf gradients is applied (stage 0)",
+           f"{RUN_STATE}::test_an_overflow_with_a_finite_loss_stops_and_keeps_the_checkpoint[0]"),
+
+    # -- evaluation and scaling
+    mutant("bits-per-byte-in-nats", "pretrain/evaluate.py",
+           '"bits_per_byte": loss_sum / (math.log(2) * n_bytes) if n_bytes',
+           '"bits_per_byte": loss_sum / n_bytes if n_bytes',
+           "pretrain eval reports bits per byte in nats per byte",
+           "tests/test_evaluate.py::test_micro_batch_size_changes_nothing_but_the_batching[2]",
+           "tests/test_continued_pretraining.py::test_eval_equals_the_runs_own_eval_at_any_world_size_and_its_export"),
+    mutant("scaling-optimum-exponent", "pretrain/scaling/fit.py",
+           "    n = g * (budget / 6) ** (beta / (alpha + beta))\n", "    n = g * (budget / 6) ** (alpha / (alpha + beta))\n",
+           "the compute-optimal N* grows as C^(alpha/(alpha+beta)) instead of C^(beta/(alpha+beta))",
+           "tests/test_scaling.py::test_isoflop_fit_recovers_the_optimal_exponents",
+           "tests/test_scaling.py::test_parametric_fit_recovers_a_known_law"),
+]
+
+
+# ---------------------------------------------------------------------------------------- copies
+def repo_files(repo: Path) -> list[str]:
+    """Tracked files (their working-tree content) and untracked files git does not ignore."""
+    out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         capture_output=True, check=True).stdout.decode()
+    return sorted({f for f in out.split("\0") if f})
+
+
+def make_copy(repo: Path, files: list[str], root: Path) -> Path:
+    """root/<repo name>: a copy of `files`; root/shared links to the repository's ../shared (the
+    tests read ../shared/data, relative to the repository)."""
+    copy = root / repo.name
+    for rel in files:
+        src, dst = repo / rel, copy / rel
+        if not src.is_symlink() and not src.is_file():  # deleted in the working tree (or a submodule)
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            os.symlink(os.readlink(src), dst)
+        else:
+            shutil.copy2(src, dst)
+    if (repo.parent / "shared").exists():
+        os.symlink(repo.parent / "shared", root / "shared")
+    return copy
+
+
+def problems(m: Mutant, text: str) -> list[str]:
+    """Why `m` cannot be applied to `text` (its file's content): each old snippet must occur once,
+    in order (a later edit sees the earlier ones applied)."""
+    out = []
+    for old, new in m.edits:
+        n = text.count(old)
+        if n != 1:
+            out.append(f"{m.file}: {'no match' if n == 0 else f'{n} matches'} for {old.strip()[:70]!r}")
+        else:
+            text = text.replace(old, new)
+    return out
+
+
+def apply(m: Mutant, copy: Path) -> list[str]:
+    path = copy / m.file
+    if not path.is_file():
+        return [f"{m.file} does not exist"]
+    text = path.read_text()
+    bad = problems(m, text)
+    if not bad:
+        for old, new in m.edits:
+            text = text.replace(old, new)
+        path.write_text(text)
+    return bad
+
+
+# ----------------------------------------------------------------------------------------- pytest
+@dataclass
+class Run:
+    rc: int | None  # None: timed out
+    seconds: float
+    output: str
+
+    @property
+    def failed(self) -> list[str]:
+        """The node ids in pytest's FAILED summary lines, and those (or test files, for a collection
+        error) in its ERROR lines, marked "(error)"."""
+        return [m.group(2) + (" (error)" if m.group(1) == "ERROR" else "")
+                for m in re.finditer(r"^(FAILED|ERROR) (\S+?)(?: - .*)?$", self.output, re.M)]
+
+
+def run_pytest(copy: Path, tests: list[str], k: str | None, timeout: float, stop_first: bool = True) -> Run:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
+           f"--basetemp={copy.parent / 'pytest'}", *(["-x"] if stop_first else []), *(["-k", k] if k else []), *tests]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(copy), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        _end(proc)
+        out, rc = (proc.communicate()[0] or ""), None
+    except BaseException:  # Ctrl-C: leave nothing running
+        _end(proc)
+        raise
+    return Run(rc, time.monotonic() - t0, out)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """End pytest and every process it started, by their ids: SIGTERM, then SIGKILL for those left
+    after 15 s. (Some tests start their runs in sessions of their own: pytest's process group alone
+    would leave them running.)"""
+    import psutil
+
+    try:
+        procs = [psutil.Process(proc.pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=15)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=15)
+
+
+def in_copy(repo: Path, files: list[str], keep: bool, work):
+    root = Path(tempfile.mkdtemp(prefix="mutation-"))
+    try:
+        return work(make_copy(repo, files, root))
+    finally:
+        if keep:
+            print(f"  (kept {root})", flush=True)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------ check
+@dataclass
+class Result:
+    name: str
+    file: str
+    breaks: str
+    tests: list[str]
+    status: str  # killed, SURVIVED, STALE, TIMEOUT, ERROR
+    killed_by: str
+    seconds: float
+    detail: str = ""
+
+
+def run_mutant(m: Mutant, repo: Path, files: list[str], timeout: float, keep: bool, stop_first: bool) -> Result:
+    def work(copy: Path) -> Result:
+        bad = apply(m, copy)
+        if bad:
+            return Result(m.name, m.file, m.breaks, list(m.tests), "STALE", "", 0.0, "; ".join(bad))
+        run = run_pytest(copy, list(m.tests), m.k, timeout, stop_first)
+        if run.rc is None:
+            status, detail = "TIMEOUT", f"tests still running after {timeout:.0f} s"
+        elif run.rc == 0:
+            status, detail = "SURVIVED", "the tests passed with the mutant applied"
+        elif run.rc in (1, 2) or run.rc == 4 and run.failed:
+            # 1: a test failed; 2, or 4 when node ids were named: a test file failed to import (the
+            # mutant broke an import; pytest then reports those ids as not found)
+            status, detail = "killed", ""
+        else:  # 3 internal error, 4 usage error (a node id not found), 5 nothing collected
+            status, detail = "ERROR", f"pytest exited {run.rc}: the test selection is broken, not the code"
+        tail = "\n".join(run.output.strip().splitlines()[-(40 if status == "killed" else 15):])
+        return Result(m.name, m.file, m.breaks, list(m.tests), status, ", ".join(run.failed) if status == "killed"
+                      else "", run.seconds, f"{detail}\n{tail}".strip())
+
+    return in_copy(repo, files, keep, work)
+
+
+def baseline(mutants: list[Mutant], repo: Path, files: list[str], timeout: float, keep: bool) -> tuple[bool, float]:
+    """Every selected test once, unmutated (all of them, no -x: every failure is shown)."""
+    groups: dict[str | None, list[str]] = {}
+    for m in mutants:
+        groups.setdefault(m.k, [])
+        groups[m.k] += [t for t in m.tests if t not in groups[m.k]]
+    total, ok = 0.0, True
+    for k, tests in groups.items():
+        print(f"baseline: {len(tests)} tests{f' (-k {k})' if k else ''}, unmutated ...", flush=True)
+        run = in_copy(repo, files, keep, lambda copy: run_pytest(copy, tests, k, timeout, stop_first=False))
+        total += run.seconds
+        last = run.output.strip().splitlines()[-1:] or [""]
+        print(f"baseline: exit {run.rc} in {run.seconds:.0f} s: {last[0]}", flush=True)
+        if run.rc != 0:
+            ok = False
+            print("\n".join(run.output.strip().splitlines()[-40:]), flush=True)
+    return ok, total
+
+
+def table(results: list[Result]) -> str:
+    rows = ["| mutant | file | what it breaks | result | killed by | s |", "|---|---|---|---|---|---|"]
+    for r in results:
+        status = r.status if r.status == "killed" else f"**{r.status}**"
+        killer = ", ".join(k.removeprefix("tests/") for k in r.killed_by.split(", ")) if r.status == "killed" \
+            else (r.detail.splitlines()[0] if r.detail else "")
+        rows.append(f"| {r.name} | {r.file} | {r.breaks} | {status} | {killer.replace('|', '/')} | {r.seconds:.0f} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="", help="comma-separated mutant names (default: all)")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--check", action="store_true", help="only check that every mutant still applies (STALE?)")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the selected tests")
+    ap.add_argument("--every-test", action="store_true",
+                    help="run all of a mutant's tests (no -x), to see every test that kills it")
+    ap.add_argument("--show", action="store_true",
+                    help="print the end of pytest's output for killed mutants too (was it killed for the reason meant?)")
+    ap.add_argument("--timeout", type=float, default=1500, help="seconds per mutant (default 1500)")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary copies")
+    ap.add_argument("--repo", type=Path, default=REPO, help=f"the repository (default {REPO})")
+    args = ap.parse_args(argv)
+
+    names = [n for n in args.only.split(",") if n]
+    unknown = sorted(set(names) - {m.name for m in MUTANTS})
+    if unknown:
+        ap.error(f"unknown mutant(s) {', '.join(unknown)}; --list shows them")
+    mutants = [m for m in MUTANTS if not names or m.name in names]
+    repo = args.repo.resolve()
+
+    if args.list:
+        for m in mutants:
+            print(f"{m.name}  ({m.file})\n    breaks: {m.breaks}\n    tests:  " + "\n            ".join(m.tests)
+                  + (f"\n    -k {m.k}" if m.k else ""))
+        return 0
+
+    stale = {m.name: problems(m, (repo / m.file).read_text()) if (repo / m.file).is_file() else [f"{m.file} does not exist"]
+             for m in mutants}
+    stale = {k: v for k, v in stale.items() if v}
+    for name, bad in stale.items():
+        print(f"STALE {name}: {'; '.join(bad)}", flush=True)
+    if args.check:
+        print(f"{len(mutants) - len(stale)} of {len(mutants)} mutants apply")
+        return 1 if stale else 0
+
+    files = repo_files(repo)
+    t0 = time.monotonic()
+    base_s = 0.0
+    if not args.no_baseline:
+        ok, base_s = baseline([m for m in mutants if m.name not in stale], repo, files, max(args.timeout, 3600),
+                              args.keep)
+        if not ok:
+            print("the baseline fails: the selected tests do not pass on the unmutated code; nothing concluded")
+            return 2
+    results = []
+    for i, m in enumerate(mutants, 1):
+        print(f"[{i}/{len(mutants)}] {m.name} ...", end=" ", flush=True)
+        r = run_mutant(m, repo, files, args.timeout, args.keep, not args.every_test)
+        results.append(r)
+        print(f"{r.status} {r.killed_by} ({r.seconds:.0f} s)", flush=True)
+        if r.detail and (r.status != "killed" or args.show):
+            print("    " + r.detail.replace("\n", "\n    "), flush=True)
+    total = time.monotonic() - t0
+    print("\n" + table(results))
+    bad = [r for r in results if r.status != "killed"]
+    print(f"\n{len(results) - len(bad)} of {len(results)} mutants killed"
+          + (f"; not killed: {', '.join(f'{r.name} ({r.status})' for r in bad)}" if bad else "")
+          + f"; baseline {base_s:.0f} s, total {total:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "repo": str(repo), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join([sys.argv[0], *sys.argv[1:]]),
+            "cpus": os.cpu_count(), "baseline_s": base_s, "total_s": total,
+            "results": [asdict(r) for r in results]}, indent=1))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
