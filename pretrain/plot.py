@@ -53,6 +53,18 @@ def series(records: list[dict], metric: str, x: str) -> tuple[list[float], list[
     return [p[0] for p in points], [p[1] for p in points]
 
 
+def png_dir(out: str) -> Path:
+    """The directory for PNGs (`--out`), made; one line if it cannot be."""
+    out_dir = Path(out)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # (an existing file included)
+        raise UserError(f"--out {out}: {e.strerror}: give a directory for the PNGs") from None
+    if not os.access(out_dir, os.W_OK):
+        raise UserError(f"--out {out}: not writable")
+    return out_dir
+
+
 def plot(runs: list[str], out: str, metrics: list[str] | None = None, x: str = "step") -> list[Path]:
     """Write one PNG per metric into `out`; returns their paths."""
     if x not in X_KEYS:
@@ -68,13 +80,7 @@ def plot(runs: list[str], out: str, metrics: list[str] | None = None, x: str = "
     if missing or not wanted:
         raise UserError(f"--metrics: {', '.join(missing) or 'none of the default ones'} in no run's metrics.jsonl; "
                         f"they have: {', '.join(present) or 'no metrics'}")
-    out_dir = Path(out)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # (an existing file included)
-        raise UserError(f"--out {out}: {e.strerror}: give a directory for the PNGs") from None
-    if not os.access(out_dir, os.W_OK):
-        raise UserError(f"--out {out}: not writable")
+    out_dir = png_dir(out)
 
     import matplotlib
 

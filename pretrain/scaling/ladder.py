@@ -158,9 +158,9 @@ def plot(points: list[TaskPoint], result: dict, target: str, out: str) -> list[P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pretrain.scaling.plot import _out_dir
+    from pretrain.plot import png_dir
 
-    out_dir = _out_dir(out)
+    out_dir = png_dir(out)
     task, metric = parse_target(target)
     law, sig, t = result["step1"]["law"], result["step2"], result["target"]
     sizes = sorted({p.params for p in points})

@@ -11,25 +11,12 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 
-from pretrain.errors import UserError
+from pretrain.plot import png_dir
 from pretrain.scaling import fit as F
-
-
-def _out_dir(out: str) -> Path:
-    """The directory for the PNGs, made; one line if it cannot be."""
-    out_dir = Path(out)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # (an existing file included)
-        raise UserError(f"--out {out}: {e.strerror}: give a directory for the PNGs") from None
-    if not os.access(out_dir, os.W_OK):
-        raise UserError(f"--out {out}: not writable")
-    return out_dir
 
 
 def plot(points: list[F.Point], iso: dict, law: dict, out: str, budget: float = 0.0) -> list[Path]:
@@ -38,7 +25,7 @@ def plot(points: list[F.Point], iso: dict, law: dict, out: str, budget: float = 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out_dir = _out_dir(out)
+    out_dir = png_dir(out)
     groups = F.budget_groups(points)
     colors = plt.cm.viridis(np.linspace(0, 0.9, len(groups)))
     paths = []
