@@ -125,14 +125,14 @@ def _eval(args, env) -> None:
     if args.tasks:
         # every rank reads the task files; one line for a bad one before the model is loaded
         specs = [t.strip() for t in args.tasks.split(",") if t.strip()]
-        distributed.agree(lambda: [tasks.load(s, args.limit or 0, args.fewshot) for s in specs])
+        suite = distributed.agree(tasks.TaskSuite, specs, args.limit or 0, args.fewshot, args.seed)
     else:
         cfg = _config(path, is_hf, args.config, args.overrides, args.data)
     model, tokenizer, eot = load_for_inference(str(path), str(env.device), verified=True)
     if env.device.type == "cuda":
         model = model.to(torch.bfloat16)
     if args.tasks:
-        return _eval_tasks(args, env, path, model, tokenizer, eot, specs)
+        return _eval_tasks(args, env, path, model, tokenizer, eot, suite)
     if cfg.data.seq_len > model.args.max_seq_len:
         from pretrain.errors import ConfigError
 
@@ -148,7 +148,7 @@ def _eval(args, env) -> None:
             Path(args.json).write_text(json.dumps(result, indent=1))
 
 
-def _eval_tasks(args, env, path, model, tokenizer, eot, specs) -> None:
+def _eval_tasks(args, env, path, model, tokenizer, eot, suite) -> None:
     from pretrain import distributed
 
     if eot is None:
@@ -156,9 +156,8 @@ def _eval_tasks(args, env, path, model, tokenizer, eot, specs) -> None:
 
         raise UserError(f"{path}: the model names no end-of-text token (config.json eos_token_id), which "
                         "scoring an empty context needs")
-    results = tasks.score(model, tokenizer, eot, specs, max_len=model.args.max_seq_len, device=env.device,
-                          rank=env.rank, world=env.world_size, limit=args.limit or 0, fewshot=args.fewshot,
-                          seed=args.seed, gather=distributed.all_gather_objects)
+    results = suite(model, env.device, env.rank, env.world_size, distributed.all_gather_objects, tokenizer=tokenizer,
+                    eot=eot, max_len=model.args.max_seq_len)
     if env.is_main:
         for task, r in results.items():
             shown = " | ".join(f"{k} {v:.4f}" for k, v in r["metrics"].items())

@@ -17,6 +17,7 @@ Only this module's top-level imports run before the signal handler is installed,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -176,9 +177,10 @@ def _train(cfg, env, stop: StopSignal):
         if cfg.train.eval_tasks:  # read once, here: a bad task is one line before the model is built
             from pretrain import tasks
 
-            t = cfg.train
-            suite = distributed.agree(tasks.TaskSuite, t.eval_tasks, tokenizer, dp.eot_id(tokenizer),
-                                      model_args.max_seq_len, t.eval_task_limit, t.eval_task_fewshot)
+            loaded = distributed.agree(tasks.TaskSuite, cfg.train.eval_tasks, cfg.train.eval_task_limit,
+                                       cfg.train.eval_task_fewshot)
+            suite = functools.partial(loaded, tokenizer=tokenizer, eot=dp.eot_id(tokenizer),
+                                      max_len=model_args.max_seq_len)
         distributed.agree(ckpt.check_data, start, loader)
         check_stop()
         precision = resolve_precision(cfg, env.device)

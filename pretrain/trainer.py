@@ -49,7 +49,7 @@ class Trainer:
     def __init__(self, cfg, env: distributed.Dist, engine, loader, val_batches, schedule, ckpt, logger: MetricLogger,
                  flops_per_token: float, precision: str, stop, tasks=None):
         self.cfg, self.env, self.engine, self.loader = cfg, env, engine, loader
-        self.tasks = tasks  # train.eval_tasks loaded (pretrain.tasks.TaskSuite), or None
+        self.tasks = tasks  # train.eval_tasks: a pretrain.tasks.TaskSuite bound to the tokenizer, or None
         self.val_batches, self.schedule, self.ckpt, self.logger = val_batches, schedule, ckpt, logger
         self.flops_per_token, self.stop = flops_per_token, stop
         self.accum = cfg.grad_accum(env.world_size)

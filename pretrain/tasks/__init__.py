@@ -1,10 +1,10 @@
 """Downstream tasks (multiple choice, schema, cloze), scored by log-likelihood as
 lm-evaluation-harness scores them: `pretrain eval MODEL --tasks ...` and the in-loop task eval call
-the same `score`. The model and the trainer know nothing of tasks: they hand over a function from
+the same `TaskSuite`. The model and the trainer know nothing of tasks: they hand over a function from
 tokens to logits (docs/evaluation.md)."""
 
 from pretrain.tasks.formats import FORMATS, Instance, metrics
 from pretrain.tasks.loaders import TASKS, load, task_name
-from pretrain.tasks.scoring import TaskSuite, loglikelihoods, score
+from pretrain.tasks.scoring import TaskSuite, loglikelihoods
 
-__all__ = ["FORMATS", "Instance", "TASKS", "TaskSuite", "load", "loglikelihoods", "metrics", "score", "task_name"]
+__all__ = ["FORMATS", "Instance", "TASKS", "TaskSuite", "load", "loglikelihoods", "metrics", "task_name"]

@@ -48,7 +48,7 @@ class Instance:
 def metrics(inst: Instance, lls: list[float], greedy: list[bool]) -> dict:
     """Per-instance metrics from each request's log-likelihood (nats) and whether greedy decoding
     gives its continuation."""
-    gold_ctx, gold_cont = inst.requests()[inst.gold]
+    gold_cont = inst.requests()[inst.gold][1]
     gold_bytes = len(gold_cont.encode("utf-8"))
     bpb = -lls[inst.gold] / (math.log(2) * gold_bytes) if gold_bytes else float("nan")
     if inst.format == "cloze":

@@ -73,11 +73,11 @@ def fewshot_prefix(inst_index: int, task: str, pool: list[Instance], k: int, see
 
 
 class TaskSuite:
-    """Tasks loaded once (a bad spec fails here, before anything runs), scored on each call."""
+    """Tasks loaded once (a bad spec fails here, before any model is built or loaded), scored on
+    each call."""
 
-    def __init__(self, specs: list[str], tokenizer, eot: int, max_len: int, limit: int = 0, fewshot: int = 0,
-                 seed: int = 1234):
-        self.tokenizer, self.eot, self.max_len, self.fewshot, self.seed = tokenizer, eot, max_len, fewshot, seed
+    def __init__(self, specs: list[str], limit: int = 0, fewshot: int = 0, seed: int = 1234):
+        self.fewshot, self.seed = fewshot, seed
         self.tasks = [(loaders.task_name(s), *loaders.load(s, limit, fewshot)) for s in specs]
         names = [t for t, _, _ in self.tasks]
         if len(set(names)) < len(names):
@@ -85,7 +85,8 @@ class TaskSuite:
 
             raise UserError(f"tasks {', '.join(specs)}: two of them have the same name")
 
-    def __call__(self, logits_fn, device, rank: int = 0, world: int = 1, gather=None) -> dict:
+    def __call__(self, logits_fn, device, rank: int = 0, world: int = 1, gather=None, *, tokenizer, eot: int,
+                 max_len: int) -> dict:
         """{task: {"metrics": {name: mean}, "n", "format", "instances": [per instance]}}, the same on
         every rank. `gather(obj) -> [obj of each rank]` for world > 1."""
         results = {}
@@ -96,7 +97,7 @@ class TaskSuite:
                 inst = instances[min(i, len(instances) - 1)]
                 prefix = fewshot_prefix(i, task, pool, self.fewshot, self.seed, exclude=inst)
                 shown = inst.with_prefix(prefix) if prefix else inst
-                scored = loglikelihoods(logits_fn, self.tokenizer, self.eot, shown.requests(), self.max_len, device)
+                scored = loglikelihoods(logits_fn, tokenizer, eot, shown.requests(), max_len, device)
                 if i < len(instances):
                     lls, greedy = [s[0] for s in scored], [s[1] for s in scored]
                     mine.append({"index": i, "id": inst.id, "lls": lls, "greedy": greedy, **metrics(inst, lls, greedy)})
@@ -108,9 +109,3 @@ class TaskSuite:
             formats = sorted({i.format for i in instances})
             results[task] = {"metrics": means, "n": len(every), "format": "+".join(formats), "instances": every}
         return results
-
-
-def score(logits_fn, tokenizer, eot: int, specs: list[str], *, max_len: int, device, rank: int = 0, world: int = 1,
-          limit: int = 0, fewshot: int = 0, seed: int = 1234, gather=None) -> dict:
-    """TaskSuite(specs, ...)(logits_fn, ...) in one call."""
-    return TaskSuite(specs, tokenizer, eot, max_len, limit, fewshot, seed)(logits_fn, device, rank, world, gather)
