@@ -26,15 +26,49 @@ SETUPS = {"bf16-z3": ["train.precision=bf16", "distributed.zero_stage=3"],
           "bf16-z3-compiled": ["train.precision=bf16", "distributed.zero_stage=3", "train.compile=true"]}
 
 
+# Downstream tasks scored by the final evaluation (3 instances of each format: an odd count over
+# 2 ranks, so one rank repeats a forward to keep ZeRO-3's collective forwards even).
+TASK_ROWS = [{"context": "The return statement", "choices": ["returns a value", "is a fish", "loops"], "gold": 0},
+             {"contexts": ["A list is", "A string is"], "continuation": "a sequence of characters.", "gold": 1},
+             {"context": "Import a", "continuation": " module"}]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Each setup trained 6 steps on 2 ranks (checkpoints at 3 and 6)."""
+    """Each setup trained 6 steps on 2 ranks (checkpoints at 3 and 6), tasks scored at the end."""
     root = tmp_path_factory.mktemp("user_path")
+    (root / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TASK_ROWS))
     out = {}
     for name, setup in SETUPS.items():
         out[name] = root / name
-        run_train(PATH + setup + [f"train.run_dir={out[name]}"], nproc=2)
+        run_train(PATH + setup + [f"train.eval_tasks=[{root / 'mine.jsonl'}]", f"train.run_dir={out[name]}"], nproc=2)
     return out
+
+
+@pytest.mark.parametrize("name", list(SETUPS))
+def test_in_loop_tasks_and_the_compute_clock_on_the_users_path(runs, name):
+    """Every setup (bf16 and fp32, ZeRO-3 and 0, activation checkpointing, compile, 2 ranks, 1024
+    tokens) scores the tasks at its final eval and times each rank's compute (the straggler report)."""
+    [final] = [r for r in read_metrics(runs[name]) if "eval/mine/acc" in r]
+    assert final["step"] == 6 and 0 <= final["eval/mine/acc"] <= 1 and 0 < final["eval/mine/bpb"] < 20
+    assert {"eval/mine/acc_norm", "eval/mine/prob", "eval/mine/loss"} <= set(final)
+    train = [r for r in read_metrics(runs[name]) if "train/loss" in r]
+    assert all(r["perf/straggler_ratio_compute"] >= 1.0 for r in train)  # (max over median of 2 positive times)
+
+
+def test_bf16_zero3_in_loop_tasks_follow_fp32_and_pretrain_eval(runs, tmp_path):
+    """The bf16 ZeRO-3 engine's task scores: within bf16's rounding of the fp32 run's, and of
+    `pretrain eval --tasks` of its own final checkpoint (whole model, fp32 on the CPU)."""
+    [bf16] = [r for r in read_metrics(runs["bf16-z3"]) if "eval/mine/bpb" in r]
+    [fp32] = [r for r in read_metrics(runs["fp32-z3"]) if "eval/mine/bpb" in r]
+    # (measured: 1.8553 against 1.8551 for fp32 and 1.8551 for the CLI; bf16 logits round at ~4e-3)
+    assert bf16["eval/mine/bpb"] == pytest.approx(fp32["eval/mine/bpb"], rel=2e-3)
+    out = tmp_path / "tasks.json"
+    subprocess.run([sys.executable, "-m", "pretrain", "eval", str(runs["bf16-z3"]), "--tasks",
+                    str(runs["bf16-z3"].parent / "mine.jsonl"), "--json", str(out)], cwd=REPO, env=train_env(),
+                   check=True, capture_output=True, timeout=300)
+    cli = json.loads(out.read_text())["tasks"]["mine"]["metrics"]
+    assert bf16["eval/mine/bpb"] == pytest.approx(cli["bpb"], rel=2e-3)
 
 
 def _final_eval(run) -> float:
