@@ -47,6 +47,10 @@ def hf_model_args(cfg: Config) -> ModelArgs:
     """The model of `checkpoint.init_from`, a Hugging Face model: its config.json defines it. The
     fields the run config's `model:` section sets are applied on top; if that changes the
     architecture it is an error, not silently mixed."""
+    if cfg.model.parametrization != "sp":
+        raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from} is a Hugging Face model, whose "
+                          f"weights are in the standard parametrization: fine-tune it with "
+                          f"model.parametrization=sp (not {cfg.model.parametrization})")
     path = hub.resolve(cfg.checkpoint.init_from)
     args, default = hub.model_args(path), ModelArgs()
     user = {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(ModelArgs)

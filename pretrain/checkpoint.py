@@ -247,6 +247,14 @@ class CheckpointManager:
         ours = {**model_shape(self.model_args), **(model_shape(self.model_args, FUNCTION_FIELDS) if resume else {})}
         diff = [f"{k}: checkpoint {saved.get(k)} vs config {v}" for k, v in ours.items()
                 if k in saved and saved[k] != v or k in SHAPE_FIELDS and k not in saved]
+        saved_p = meta.get("model_parametrization", {"parametrization": "sp"})  # not recorded: sp
+        if saved_p != self.model_args.parametrization_spec():
+            ours_p = self.model_args.parametrization_spec()
+            raise collective(CheckpointError(
+                f"checkpoint {ckpt} was trained with " + ", ".join(f"model.{k}={v}" for k, v in saved_p.items())
+                + ", this run has " + ", ".join(f"model.{k}={v}" for k, v in ours_p.items())
+                + ": its weights mean another model under these multipliers; set the checkpoint's values "
+                  "(or export it and fine-tune from the export, which is sp)"))
         if diff:
             what = "model shape" if any(d.split(":")[0] in SHAPE_FIELDS for d in diff) else "model (RoPE, norm)"
             raise collective(CheckpointError(f"checkpoint {ckpt} has another {what} ({'; '.join(diff)}): "
@@ -560,6 +568,7 @@ class CheckpointManager:
         meta = {"format": FORMAT, "step": step, "run_id": self.run.run_id, "world_size": self.env.world_size,
                 "model_shape": model_shape(self.model_args),
                 "model_function": model_shape(self.model_args, FUNCTION_FIELDS),
+                "model_parametrization": self.model_args.parametrization_spec(),
                 "zero_stage": self.zero_stage, "fingerprint": {"tokenizer": self.tokenizer_fingerprint},
                 **self.provenance}
         files["meta.json"] = json.dumps(meta, indent=2)

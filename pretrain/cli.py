@@ -68,6 +68,12 @@ def _scaling(name: str):
     return run
 
 
+def _mup_check(args) -> None:
+    from pretrain.mup import check_cli
+
+    check_cli(args)
+
+
 def _plot(args) -> None:
     from pretrain.plot import plot_cli
 
@@ -179,6 +185,20 @@ def build_parser() -> argparse.ArgumentParser:
     po.add_argument("--budget", type=float, default=0.0, help="mark this compute budget on the plots")
     _ladder_args(po)
     po.set_defaults(fn=_scaling("plot_cli"))
+
+    mu = sub.add_parser("mup", help="muP / CompleteP: coordinate checks (docs/mup.md)").add_subparsers(
+        dest="sub", required=True)
+    mc = with_config(mu.add_parser("check", help="train each width (and depth) a few steps and fit how the "
+                                                  "activations' RMS scales with it"))
+    mc.add_argument("--widths", default="64,128,256,512", help="model.dim values, comma-separated ('' = none)")
+    mc.add_argument("--depths", default="", help="model.n_layers values, comma-separated (CompleteP)")
+    mc.add_argument("--steps", type=int, default=10, help="training steps at each size")
+    mc.add_argument("--seeds", type=int, default=8, help="seeds averaged at each size")
+    mc.add_argument("--batch-size", type=int, default=2, help="sequences in the one batch trained on and measured")
+    mc.add_argument("--seq-len", type=int, default=16, help="tokens per sequence of that batch")
+    mc.add_argument("--json", default="", help="write the RMS values and slopes here")
+    mc.add_argument("--out", default="", help="directory for coord_check_width.png / coord_check_depth.png")
+    mc.set_defaults(fn=_mup_check)
 
     pt = sub.add_parser("plot", help="PNGs of runs' metrics from their metrics.jsonl (no W&B needed)")
     pt.add_argument("runs", nargs="+", help="run dirs (or metrics.jsonl files); several are overlaid")

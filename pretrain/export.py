@@ -18,7 +18,7 @@ import yaml
 from pretrain.checkpoint import consolidated_state_dict, open_checkpoint
 from pretrain.config import config_from_dict
 from pretrain.errors import CheckpointError
-from pretrain.model.hf import rope_scaling, to_hf_config, to_hf_state_dict
+from pretrain.model.hf import fold_multipliers, rope_scaling, to_hf_config, to_hf_state_dict
 from pretrain.model.model import Transformer
 
 
@@ -46,8 +46,8 @@ def export(checkpoint: str, out_dir: str, dtype: str = "fp32") -> Path:
     torch_dtype, dtype_name = DTYPES[dtype]
     ckpt, _ = open_checkpoint(checkpoint)  # verified against its manifest before anything is read
     args, tokenizer, eot = _checkpoint_parts(ckpt)
-    state = {k: v.to(torch_dtype) for k, v in consolidated_state_dict(ckpt).items()}
-    state = to_hf_state_dict(state, args)
+    state, args = fold_multipliers(consolidated_state_dict(ckpt), args)  # muP: into the weights, in fp32
+    state = to_hf_state_dict({k: v.to(torch_dtype) for k, v in state.items()}, args)
     if args.tie_embeddings:  # safetensors stores a tensor once; HF re-ties lm_head on load
         state.pop("lm_head.weight")
     out = Path(out_dir)

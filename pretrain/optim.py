@@ -1,32 +1,80 @@
-"""AdamW with decoupled weight decay on matrices only (not on norms, biases or, by default, embeddings)."""
+"""AdamW with decoupled weight decay on matrices only (not on norms, biases or, by default, embeddings),
+and the optimizer half of muP / CompleteP: per-group learning-rate multipliers, epsilon and decay.
+
+Each parameter has a role: `hidden` (the attention and SwiGLU matrices), `head` (the untied LM head),
+`embedding`, `norm`. Under sp every role takes optimizer.lr and optimizer.eps, as before. With
+m = dim / mup_base_dim and m_L = n_layers / mup_base_layers (ModelArgs):
+
+| role      | lr multiplier | eps          | weight decay        |
+|-----------|---------------|--------------|---------------------|
+| hidden    | 1/m           | eps/m        | wd x m (lr x wd constant) |
+| head      | 1             | eps          | wd                  |
+| embedding | 1             | eps          | wd if decay_embeddings, else 0 |
+| norm      | 1             | eps          | 0                   |
+
+CompleteP (alpha = 1) divides the eps of hidden matrices and norm gains by m_L as well; its learning
+rates do not depend on depth. Roles with the same settings share a group. The multiplier is the
+group's `lr_scale`: the trainer sets each group's rate to schedule(step) x lr_scale. ZeRO-3 flattens
+the parameters of a group into one tensor, so the rules must live in the groups, not on tensors.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from pretrain.config import OptimizerConfig
+from pretrain.model.args import ModelArgs
+
+ROLES = ("hidden", "head", "embedding", "norm")
 
 
-def param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> list[dict]:
-    """Two groups: decayed (weight matrices) and not decayed (1-D params, and embeddings unless
-    cfg.decay_embeddings). Decided by name and ndim, which ZeRO-3 keeps in `ds_shape` when a
-    parameter is partitioned."""
-    decay, no_decay = [], []
+def role(name: str, ndim: int) -> str:
+    if "tok_embeddings" in name:
+        return "embedding"
+    if ndim < 2:
+        return "norm"
+    return "head" if name.startswith("output.") or ".output." in name else "hidden"
+
+
+def group_settings(args: ModelArgs, cfg: OptimizerConfig) -> dict[str, dict]:
+    """role -> {"lr_scale", "eps", "weight_decay"} for this model and optimizer config."""
+    m, m_depth = args.width_mult, args.depth_mult
+    wd, eps = cfg.weight_decay, cfg.eps
+    out = {
+        "hidden": {"lr_scale": 1.0, "eps": eps, "weight_decay": wd},
+        "head": {"lr_scale": 1.0, "eps": eps, "weight_decay": wd},
+        "embedding": {"lr_scale": 1.0, "eps": eps, "weight_decay": wd if cfg.decay_embeddings else 0.0},
+        "norm": {"lr_scale": 1.0, "eps": eps, "weight_decay": 0.0},
+    }
+    if args.parametrization != "sp":
+        out["hidden"] = {"lr_scale": 1.0 / m, "eps": eps / (m * m_depth), "weight_decay": wd * m}
+        out["norm"]["eps"] = eps / m_depth
+    return out
+
+
+def param_groups(model: torch.nn.Module, cfg: OptimizerConfig, args: ModelArgs | None = None) -> list[dict]:
+    """The optimizer's groups, in role order (ROLES), roles with equal settings merged; under sp two
+    groups, decayed (matrices) and not decayed (1-D params, and embeddings unless
+    cfg.decay_embeddings). Roles are decided by name and ndim, which ZeRO-3 keeps in `ds_shape` when
+    a parameter is partitioned. Each group carries its `lr_scale`."""
+    settings = group_settings(args or model.args, cfg)
+    groups: list[dict] = []
+    for r in ROLES:
+        key = settings[r]
+        found = next((g for g in groups if all(g[k] == v for k, v in key.items())), None)
+        if found is None:
+            groups.append(found := {"params": [], **key})
+        found.setdefault("roles", []).append(r)
+    by_role = {r: g for g in groups for r in g["roles"]}
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        ndim = len(getattr(p, "ds_shape", p.shape))
-        is_embedding = "tok_embeddings" in name
-        if ndim < 2 or (is_embedding and not cfg.decay_embeddings):
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    return [{"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+        if p.requires_grad:
+            by_role[role(name, len(getattr(p, "ds_shape", p.shape)))]["params"].append(p)
+    return [{k: v for k, v in g.items() if k != "roles"} for g in groups if g["params"]]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device,
+                    args: ModelArgs | None = None) -> torch.optim.AdamW:
     # torch's AdamW rather than DeepSpeed's FusedAdam/CPUAdam: no op build at start-up, and it resumes
     # bitwise (FusedAdam drifted ~5e-7 after a load when we measured it); fused on CUDA for speed.
-    return torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+    return torch.optim.AdamW(param_groups(model, cfg, args), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=cfg.eps, fused=device.type == "cuda")

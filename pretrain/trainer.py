@@ -169,8 +169,8 @@ class Trainer:
         all-reduce and one host sync per step: the losses and their finiteness are reduced together
         after the last forward, and read on the host with the gradient norm, before the update."""
         lr = self.schedule(self.step, self.decay_end)  # the rate of this step; DeepSpeed has no scheduler
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for group in self.optimizer.param_groups:  # lr_scale: muP's multiplier of the group (pretrain/optim.py)
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         self.lr = lr
         self._drop_update = self._grad_nonfinite = False
         self._spike = ""

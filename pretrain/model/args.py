@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -26,6 +27,10 @@ class ModelArgs:
     max_seq_len: int = 2048  # longest sequence in tokens (RoPE table and KV-cache size)
     tie_embeddings: bool = False  # share the token embedding and the LM head weights
     init_std: float = 0.02  # std of normal init; output projections use init_std / sqrt(2 * n_layers)
+    parametrization: str = "sp"  # sp (standard) | mup (width transfer) | completep (width and depth): docs/mup.md
+    mup_base_dim: int = 0  # mup/completep: the width whose hyperparameters were tuned (m = dim / this)
+    mup_base_layers: int = 0  # completep: the depth whose hyperparameters were tuned (m_L = n_layers / this)
+    mup_base_head_dim: int = 0  # mup/completep: head_dim of the base model (0 = this head_dim: width grows by heads)
 
     @property
     def kv_heads(self) -> int:
@@ -44,6 +49,62 @@ class ModelArgs:
         if self.ffn_dim_multiplier:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    # muP (Yang et al. 2022, Tensor Programs V) and CompleteP (Dey et al. 2025, depth-muP with
+    # alpha = 1): the multipliers the model applies. All are 1 (and unused) under sp, and at the base
+    # shape, so the base model is the same function in every parametrization. The optimizer's rules
+    # are in pretrain/optim.py.
+    @property
+    def width_mult(self) -> float:
+        """m = dim / mup_base_dim (1 under sp)."""
+        return self.dim / self.mup_base_dim if self.parametrization != "sp" else 1.0
+
+    @property
+    def depth_mult(self) -> float:
+        """m_L = n_layers / mup_base_layers (1 except under completep)."""
+        return self.n_layers / self.mup_base_layers if self.parametrization == "completep" else 1.0
+
+    @property
+    def attn_scale(self) -> float | None:
+        """Softmax scale of the attention logits: None (1/sqrt(head_dim)) under sp; under mup and
+        completep 1/head_dim, times sqrt(base head_dim) so that the base model keeps 1/sqrt(head_dim).
+        Models that grow by heads at a fixed head_dim (the presets, the scaling planner) keep
+        1/sqrt(head_dim) at every width."""
+        if self.parametrization == "sp":
+            return None
+        return math.sqrt(self.mup_base_head_dim or self.head_dim) / self.head_dim
+
+    @property
+    def residual_scale(self) -> float:
+        """Multiplier of each residual branch: 1 / m_L under completep, else 1."""
+        return 1.0 / self.depth_mult
+
+    @property
+    def logit_scale(self) -> float:
+        """Multiplier of the output logits: 1 / m under mup and completep, else 1."""
+        return 1.0 / self.width_mult
+
+    @property
+    def hidden_init_std(self) -> float:
+        """Init std of the hidden matrices (wq, wk, wv, w1, w3): init_std / sqrt(m)."""
+        return self.init_std / math.sqrt(self.width_mult)
+
+    @property
+    def out_init_std(self) -> float:
+        """Init std of the output projections (wo, w2): the hidden std / sqrt(2 L); L is the base
+        depth under completep, whose residual multiplier does the scaling in depth."""
+        layers = self.mup_base_layers if self.parametrization == "completep" else self.n_layers
+        return self.hidden_init_std / math.sqrt(2 * layers)
+
+    def parametrization_spec(self) -> dict:
+        """What the multipliers depend on besides the shape; checkpoints record it (a muP model's
+        weights mean another function under sp)."""
+        out: dict = {"parametrization": self.parametrization}
+        if self.parametrization != "sp":
+            out.update(mup_base_dim=self.mup_base_dim, mup_base_head_dim=self.mup_base_head_dim or self.head_dim)
+        if self.parametrization == "completep":
+            out["mup_base_layers"] = self.mup_base_layers
+        return out
 
     def problems(self) -> list[str]:
         """Every impossible combination, each with its fix (empty when the shape is valid)."""
@@ -69,7 +130,28 @@ class ModelArgs:
                        "rope_high_freq_factor and rope_original_max_seq_len > 0")
         if self.init_std <= 0:
             out.append(f"model.init_std={self.init_std} must be positive")
+        out += self._parametrization_problems()
         return out
+
+    def _parametrization_problems(self) -> list[str]:
+        p = self.parametrization
+        if p not in PARAMETRIZATIONS:
+            return [f"model.parametrization={p!r} is not one of {', '.join(PARAMETRIZATIONS)}"]
+        if self.mup_base_dim < 0 or self.mup_base_layers < 0 or self.mup_base_head_dim < 0:
+            return ["model.mup_base_dim, model.mup_base_layers and model.mup_base_head_dim must be >= 0"]
+        if p == "sp":
+            return []
+        out = []
+        if not self.mup_base_dim:
+            out.append(f"model.parametrization={p} needs model.mup_base_dim: the width whose hyperparameters "
+                       f"you tuned (model.dim={self.dim} if it is this one)")
+        if p == "completep" and not self.mup_base_layers:
+            out.append(f"model.parametrization=completep needs model.mup_base_layers: the depth whose "
+                       f"hyperparameters you tuned (model.n_layers={self.n_layers} if it is this one)")
+        return out
+
+
+PARAMETRIZATIONS = ("sp", "mup", "completep")
 
 
 def _divisor_hint(n: int) -> str:

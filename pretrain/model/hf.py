@@ -1,11 +1,15 @@
 """Conversion to and from Hugging Face `LlamaForCausalLM` (config and state dict).
 
 Our RoPE already uses HF's rotate-half layout, so weights copy across unchanged: only names differ.
+A muP or CompleteP model's multipliers are folded into its weights first (`fold_multipliers`), so
+the export is a plain Llama that computes the same logits.
 `transformers` is imported lazily, so the rest of the model package does not need it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 
 import torch
@@ -37,6 +41,8 @@ def to_hf_config(args: ModelArgs):
 
     if not args.vocab_size:
         raise ValueError("model.vocab_size=0: set it before converting to Hugging Face")
+    if args.parametrization != "sp":
+        raise ValueError(f"model.parametrization={args.parametrization}: fold its multipliers first (fold_multipliers)")
     return LlamaConfig(
         vocab_size=args.vocab_size,
         hidden_size=args.dim,
@@ -151,6 +157,27 @@ def _rename(sd: dict[str, torch.Tensor], top: dict[str, str], block: dict[str, s
     if unknown:
         raise ValueError(f"unexpected state-dict keys: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
     return out
+
+
+def fold_multipliers(sd: dict[str, torch.Tensor], args: ModelArgs) -> tuple[dict[str, torch.Tensor], ModelArgs]:
+    """(state dict, args) of the standard-parametrization model that computes what this one does:
+    the attention scale's ratio to 1/sqrt(head_dim) goes into wq (RoPE is a rotation, so scaling q
+    before it is the same), CompleteP's residual multiplier into wo and w2, and the logit
+    multiplier into the LM head, which is then untied from the embedding. sp: returned as is."""
+    if args.parametrization == "sp":
+        return sd, args
+    q_scale, branch = args.attn_scale * math.sqrt(args.head_dim), args.residual_scale
+    out = {}
+    for name, w in sd.items():
+        if name.endswith("attention.wq.weight"):
+            w = w * q_scale
+        elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            w = w * branch
+        out[name] = w
+    out["output.weight"] = sd.get("output.weight", sd["tok_embeddings.weight"]) * args.logit_scale
+    sp = dataclasses.replace(args, parametrization="sp", mup_base_dim=0, mup_base_layers=0, mup_base_head_dim=0,
+                             tie_embeddings=args.tie_embeddings and args.logit_scale == 1.0)
+    return out, sp
 
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:

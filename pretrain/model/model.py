@@ -96,6 +96,7 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
+        self.scale = args.attn_scale  # None: SDPA's 1/sqrt(head_dim)
         self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
@@ -123,7 +124,7 @@ class Attention(nn.Module):
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
         # enable_gqa lets the kernel share each KV head across its query group without copying K/V.
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=(S == T and T > 1),
-                                             enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, hd)
+                                             scale=self.scale, enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, hd)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
 
     def init_weights(self, std: float, out_std: float) -> None:
@@ -187,13 +188,18 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        self.residual_scale = args.residual_scale  # completep: 1 / m_L on each branch
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, cache_k: torch.Tensor | None = None,
                 cache_v: torch.Tensor | None = None, start_pos: int = 0) -> torch.Tensor:
         """x (B, T, D), freqs_cis (T, hd/2, 2) -> (B, T, D). Tensors, None and ints only, so that
         activation checkpointing can wrap the block."""
-        h = x + self.attention(self.attention_norm(x), freqs_cis, cache_k, cache_v, start_pos)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention(self.attention_norm(x), freqs_cis, cache_k, cache_v, start_pos)
+        if self.residual_scale == 1.0:
+            h = x + a
+            return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.residual_scale * a
+        return h + self.residual_scale * self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, std: float, out_std: float) -> None:
         self.attention_norm.init_weights()
@@ -260,27 +266,30 @@ class Transformer(nn.Module):
                 h = layer(h, freqs_cis)
             else:
                 h = layer(h, freqs_cis, cache.k[i], cache.v[i], start_pos)
-        return self.output(self.norm(h), labels, loss_chunk)  # (B, T, V), or the loss
+        h = self.norm(h)
+        if self.args.logit_scale != 1.0:  # mup, completep: logits x 1/m, applied to the head's input
+            h = h * self.args.logit_scale
+        return self.output(h, labels, loss_chunk)  # (B, T, V), or the loss
 
     @torch.no_grad()
     def init_weights(self, gather: Gather | None = None) -> None:
         """Initialise every parameter from the global torch RNG, in a fixed order.
 
         Seed right before calling: the same seed on the same device gives the same weights.
-        Embeddings, input projections and the untied LM head ~ N(0, init_std); output projections
-        (wo, w2) ~ N(0, init_std / sqrt(2 * n_layers)); norms = 1. `gather(params)` is entered
+        Embeddings and the untied LM head ~ N(0, init_std); input projections ~ N(0, hidden_init_std);
+        output projections (wo, w2) ~ N(0, out_init_std); norms = 1. Under sp the hidden std is
+        init_std and the output one init_std / sqrt(2 * n_layers); see ModelArgs for mup and completep. `gather(params)` is entered
         around each group it touches (embedding, each block, final norm + head), so ZeRO-3 can pass
         `lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0)` for a partitioned model.
         """
         gather = gather or (lambda params: contextlib.nullcontext())
-        std = self.args.init_std
-        out_std = std / math.sqrt(2 * self.args.n_layers)
+        std, hidden_std, out_std = self.args.init_std, self.args.hidden_init_std, self.args.out_init_std
         with gather([self.tok_embeddings.weight]):
             nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
         # Found via modules(), so blocks wrapped for activation checkpointing or compile are reached too.
         for block in [m for m in self.modules() if isinstance(m, TransformerBlock)]:
             with gather(list(block.parameters())):
-                block.init_weights(std, out_std)
+                block.init_weights(hidden_std, out_std)
         tail = [self.norm.weight] + ([] if self.args.tie_embeddings else [self.output.weight])
         with gather(tail):
             self.norm.init_weights()

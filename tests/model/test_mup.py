@@ -1,0 +1,152 @@
+"""muP and CompleteP in the model and the optimizer groups: multipliers, init, groups, the base
+model unchanged, and the HF export's folding against transformers' LlamaForCausalLM."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from pretrain.config import load_config
+from pretrain.model.args import ModelArgs
+from pretrain.model.hf import fold_multipliers, to_hf_config, to_hf_state_dict
+from pretrain.model.model import Transformer
+from pretrain.optim import param_groups
+
+transformers = pytest.importorskip("transformers")
+
+
+def args_of(**kw) -> ModelArgs:
+    base = dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=64)
+    return ModelArgs(**{**base, **kw})
+
+
+MUP = dict(parametrization="mup", mup_base_dim=32, mup_base_head_dim=8)  # head_dim grown 8 -> 32
+COMPLETEP = dict(parametrization="completep", mup_base_dim=32, mup_base_layers=2)
+
+
+def test_multipliers():
+    a = args_of(**COMPLETEP, mup_base_head_dim=8)  # m = 4, m_L = 2, head_dim 32 grown from 8
+    assert (a.width_mult, a.depth_mult) == (4.0, 2.0)
+    assert a.attn_scale == pytest.approx(math.sqrt(8) / 32)
+    assert (a.residual_scale, a.logit_scale) == (0.5, 0.25)
+    assert a.hidden_init_std == pytest.approx(0.02 / 2)
+    assert a.out_init_std == pytest.approx(0.02 / 2 / math.sqrt(2 * 2))  # the base depth's sqrt(2L)
+    m = args_of(**MUP)
+    assert m.depth_mult == 1.0 and m.residual_scale == 1.0
+    assert m.out_init_std == pytest.approx(0.02 / 2 / math.sqrt(2 * 4))
+    sp = args_of(mup_base_dim=32, mup_base_layers=2)  # base fields are ignored under sp
+    assert (sp.width_mult, sp.attn_scale, sp.residual_scale, sp.logit_scale) == (1.0, None, 1.0, 1.0)
+    assert sp.hidden_init_std == 0.02 and sp.out_init_std == 0.02 / math.sqrt(8)
+    # heads added at a fixed head_dim (the default): the scale stays 1/sqrt(head_dim)
+    wide = args_of(dim=256, n_heads=8, n_kv_heads=2, parametrization="mup", mup_base_dim=128)
+    assert wide.attn_scale == pytest.approx(1 / math.sqrt(32))
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(parametrization="mu-p"), "is not one of sp, mup, completep"),
+    (dict(parametrization="mup"), "needs model.mup_base_dim"),
+    (dict(parametrization="completep", mup_base_dim=32), "needs model.mup_base_layers"),
+])
+def test_parametrization_problems(bad, message):
+    assert any(message in p for p in args_of(**bad).problems())
+
+
+def _init_stds(args):
+    model = Transformer(args)
+    torch.manual_seed(0)
+    model.init_weights()
+    sd = model.state_dict()
+    return {k: sd[k].std().item() for k in ("tok_embeddings.weight", "layers.0.attention.wq.weight",
+                                            "layers.0.attention.wo.weight", "layers.0.feed_forward.w2.weight",
+                                            "output.weight")}
+
+
+def test_init_follows_the_parametrization():
+    args = args_of(dim=512, n_heads=8, **MUP)  # m = 16
+    stds = _init_stds(args)
+    assert stds["tok_embeddings.weight"] == pytest.approx(0.02, rel=0.02)
+    assert stds["output.weight"] == pytest.approx(0.02, rel=0.02)
+    assert stds["layers.0.attention.wq.weight"] == pytest.approx(0.02 / 4, rel=0.02)
+    for out in ("layers.0.attention.wo.weight", "layers.0.feed_forward.w2.weight"):
+        assert stds[out] == pytest.approx(0.02 / 4 / math.sqrt(8), rel=0.03)
+
+
+def test_sp_is_unchanged_and_the_base_model_is_the_same_in_every_parametrization():
+    """Under sp the base fields change nothing, bitwise; mup and completep at their base shape draw
+    the same weights and compute the same logits (the attention scale is 1/sqrt(head_dim) there)."""
+    tokens = torch.randint(0, 256, (2, 40))
+    outs = {}
+    for name, kw in {"sp": {}, "sp+fields": dict(mup_base_dim=64, mup_base_layers=2),
+                     "mup": dict(parametrization="mup", mup_base_dim=128),
+                     "completep": dict(parametrization="completep", mup_base_dim=128, mup_base_layers=4)}.items():
+        model = Transformer(args_of(**kw))
+        torch.manual_seed(3)
+        model.init_weights()
+        with torch.no_grad():
+            outs[name] = (model.state_dict(), model(tokens))
+    for name in ("sp+fields", "mup", "completep"):
+        sd, logits = outs[name]
+        assert all(torch.equal(sd[k], v) for k, v in outs["sp"][0].items()), name
+        if name == "sp+fields":
+            assert torch.equal(logits, outs["sp"][1])
+        else:
+            torch.testing.assert_close(logits, outs["sp"][1], rtol=0, atol=1e-6)
+
+
+def _groups(args, **opt):
+    cfg = load_config(None, [f"optimizer.{k}={v}" for k, v in {"weight_decay": 0.1, "eps": 1e-8, **opt}.items()])
+    model = Transformer(args)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [({names[id(p)] for p in g["params"]}, {k: v for k, v in g.items() if k != "params"})
+            for g in param_groups(model, cfg.optimizer)]
+
+
+def test_optimizer_groups():
+    sp = _groups(args_of())
+    assert [g for _, g in sp] == [{"lr_scale": 1.0, "eps": 1e-8, "weight_decay": 0.1},
+                                  {"lr_scale": 1.0, "eps": 1e-8, "weight_decay": 0.0}]
+    assert "output.weight" in sp[0][0] and {"tok_embeddings.weight", "norm.weight"} <= sp[1][0]
+
+    groups = _groups(args_of(**COMPLETEP))  # m = 4, m_L = 2
+    by_name = {n: g for names, g in groups for n in names}
+    hidden = by_name["layers.1.feed_forward.w2.weight"]
+    assert hidden["lr_scale"] == 0.25 and hidden["weight_decay"] == pytest.approx(0.4)
+    assert hidden["eps"] == pytest.approx(1e-8 / 8)
+    assert by_name["output.weight"] == {"lr_scale": 1.0, "eps": 1e-8, "weight_decay": 0.1}
+    assert by_name["tok_embeddings.weight"] == {"lr_scale": 1.0, "eps": 1e-8, "weight_decay": 0.0}
+    assert by_name["layers.0.attention_norm.weight"] == {"lr_scale": 1.0, "eps": pytest.approx(5e-9),
+                                                         "weight_decay": 0.0}
+    # every hidden matrix in the hidden group, nothing twice
+    assert all(by_name[n] is hidden for n in by_name if ".attention.w" in n or ".feed_forward.w" in n)
+    assert sum(len(names) for names, _ in groups) == len(by_name) == len(list(Transformer(args_of()).parameters()))
+    mup = {n: g for names, g in _groups(args_of(**MUP)) for n in names}
+    assert mup["layers.0.attention_norm.weight"]["eps"] == 1e-8 and mup["layers.0.attention.wq.weight"]["eps"] == 2.5e-9
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("kw", [MUP, COMPLETEP, dict(COMPLETEP, tie_embeddings=True)], ids=["mup", "completep", "tied"])
+def test_folded_export_gives_our_logits_in_hf(kw, attn):
+    args = args_of(**kw)
+    ours = Transformer(args)
+    torch.manual_seed(0)
+    ours.init_weights()
+    with torch.no_grad():  # trained-like weights: multipliers must matter everywhere
+        for p in ours.parameters():
+            p.add_(torch.randn_like(p) * p.std().clamp(min=0.05))
+    state, sp_args = fold_multipliers(ours.state_dict(), args)
+    assert sp_args.parametrization == "sp" and not sp_args.tie_embeddings
+    cfg = to_hf_config(sp_args)
+    cfg._attn_implementation = attn
+    hf = transformers.LlamaForCausalLM(cfg).float().eval()
+    hf.load_state_dict(to_hf_state_dict(state, sp_args), strict=True)
+    tokens = torch.randint(0, 256, (2, 48))
+    with torch.no_grad():
+        ref = ours(tokens)
+        torch.testing.assert_close(hf(tokens).logits, ref, rtol=0, atol=1e-5)
+        plain = Transformer(dataclasses.replace(args, parametrization="sp", tie_embeddings=False))
+        plain.load_state_dict({k: v for k, v in ours.state_dict().items()} | {"output.weight": ours.output.weight},
+                              strict=True)
+        assert (plain(tokens) - ref).abs().max() > 0.1  # unfolded, the multipliers would be missed
+    with pytest.raises(ValueError, match="fold its multipliers first"):
+        to_hf_config(args)
