@@ -161,11 +161,25 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--span", type=float, default=8.0, help="largest / smallest size per budget")
     pl.add_argument("--schedule", default="cosine", choices=["cosine", "wsd", "wsd-s"],
                     help="cosine or wsd: a run per point; wsd-s: a run per size, decay branches at each budget")
-    pl.add_argument("--lr", type=float, default=0.0, help="one learning rate for every run (default: scaled by width)")
+    pl.add_argument("--lr", type=float, default=0.0,
+                    help="one learning rate for every run (default: sp scales the config's by width; mup and "
+                         "completep use it for every size)")
+    pl.add_argument("--parametrization", default="", choices=["", "sp", "mup", "completep"],
+                    help="the family's parametrization, the base config's model its base (default: the config's)")
     pl.add_argument("--name", default="", help="sweep name, the W&B group (default: the directory name)")
     pl.add_argument("--replace", action="store_true",
                     help="DIR holds runs of another plan: move them and that plan to DIR/replaced/ (else refused)")
     pl.set_defaults(fn=_scaling("plan_cli"))
+    ls = with_config(sc.add_parser("lr-sweep", help="tune the base learning rate at the base model (for muP): one "
+                                                     "run per rate, trained here, best by eval loss"))
+    ls.add_argument("--lrs", required=True, help="comma-separated rates, e.g. 1e-3,2e-3,4e-3,8e-3 (factors of 2)")
+    ls.add_argument("--out", required=True, help="sweep directory (configs/, manifest.csv, runs/, lr_sweep.json)")
+    ls.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun)")
+    ls.add_argument("--plan-only", action="store_true", help="write the runs' configs and stop (train them with "
+                                                               "`scaling run` or Slurm; then run this again)")
+    ls.add_argument("--name", default="", help="sweep name, the W&B group (default: the directory name)")
+    ls.add_argument("--replace", action="store_true", help="DIR holds runs of another plan: move them to DIR/replaced/")
+    ls.set_defaults(fn=_scaling("lr_sweep_cli"))
     ru = sc.add_parser("run", help="train a sweep's runs here, one after another (skips finished, resumes others)")
     ru.add_argument("dir", help="sweep directory")
     ru.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun)")

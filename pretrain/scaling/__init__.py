@@ -1,6 +1,7 @@
 """Scaling laws end to end: `pretrain scaling plan | run | fit | plot` (docs/scaling.md).
 
-plan.py writes a sweep (run configs + manifest.csv), run.py trains it, results.py reads the finished
+plan.py writes a sweep (run configs + manifest.csv), lr_sweep.py one over learning rates at the
+base model (muP's base rate, docs/mup.md), run.py trains it, results.py reads the finished
 runs' (N, D, loss) points, fit.py fits the IsoFLOP and parametric laws, plot.py draws them;
 ladder.py predicts a downstream task's accuracy (`fit --target TASK/METRIC`).
 """
@@ -13,25 +14,33 @@ import logging
 log = logging.getLogger(__name__)
 
 
-def _floats(text: str) -> list[float]:
+def _floats(text: str, flag: str = "--budgets") -> list[float]:
     from pretrain.errors import ConfigError
 
     try:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ConfigError(f"--budgets {text!r}: give comma-separated FLOP counts, e.g. 1e15,3e15,1e16") from None
+        example = "FLOP counts, e.g. 1e15,3e15,1e16" if flag == "--budgets" else "numbers, e.g. 1e-3,2e-3,4e-3"
+        raise ConfigError(f"{flag} {text!r}: give comma-separated {example}") from None
 
 
 def plan_cli(args) -> None:
     from pretrain.scaling.plan import plan, table
 
     rows = plan(args.config, args.overrides, _floats(args.budgets), args.out, sizes=args.sizes, span=args.span,
-                schedule=args.schedule, lr=args.lr, name=args.name, replace=args.replace)
+                schedule=args.schedule, lr=args.lr, name=args.name, replace=args.replace,
+                parametrization=args.parametrization)
     print(table(rows))
     runs = len({r["run"] for r in rows})
     print(f"\n{len(rows)} points from {runs} runs, {sum({r['run']: r['flops'] for r in rows}.values()):.3g} FLOPs "
           f"in all; manifest: {args.out}/manifest.csv\nnext: pretrain scaling run {args.out}   "
           f"(or: sbatch --array=0-{runs - 1}%4 slurm/scaling_sweep.sbatch {args.out})")
+
+
+def lr_sweep_cli(args) -> None:
+    from pretrain.scaling.lr_sweep import lr_sweep_cli as cli
+
+    cli(args)
 
 
 def run_cli(args) -> None:

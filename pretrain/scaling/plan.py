@@ -13,9 +13,12 @@ lookup, with the LM head counted even when tied: the N of the trainer's 6N + att
 The expected optimum is Chinchilla's D = 20 N (C = 6 N D, so N = sqrt(C / 120)); the sizes span
 `--span` (default 8x) around it, log-spaced; where the family has too few members there (an
 optimum below its smallest model: tiny budgets with a large vocabulary), the sizes nearest to it,
-with a warning. Batch: the base config's global batch in tokens. LR:
-the base config's optimizer.lr scaled by sqrt(base dim / dim) (wider models take smaller steps),
-or `--lr` for all. Warmup: the base config's, at most 10% of the run's steps (of its first branch with wsd-s).
+with a warning. Batch: the base config's global batch in tokens. LR: under sp, the base config's
+optimizer.lr scaled by sqrt(base dim / dim) (a heuristic: wider models take smaller steps), or
+`--lr` for all; under muP or CompleteP (`--parametrization`, or the base config's
+model.parametrization) one rate for every size, `--lr` or the base config's: the base model is the
+base config's (mup_base_dim = its dim, mup_base_layers = its depth, unless it sets them), where
+`pretrain scaling lr-sweep` tuned the rate (docs/mup.md). Warmup: the base config's, at most 10% of the run's steps (of its first branch with wsd-s).
 
 Schedules: `--schedule cosine` (default; decay to the end of each run), `wsd` (warmup, stable,
 decay over schedule.decay_fraction), or `wsd-s`: one run per size whose decay branches end at each
@@ -118,7 +121,8 @@ class Family:
 
 
 def plan(config: str, overrides: list[str], budgets: list[float], out: str, sizes: int = 7, span: float = 8.0,
-         schedule: str = "cosine", lr: float = 0.0, name: str = "", replace: bool = False) -> list[dict]:
+         schedule: str = "cosine", lr: float = 0.0, name: str = "", replace: bool = False,
+         parametrization: str = "") -> list[dict]:
     """Write the run configs, DIR/manifest.csv and DIR/plan.json; return the manifest rows. Nothing
     is written unless every config is valid."""
     if not 3 <= sizes <= 15:
@@ -136,6 +140,8 @@ def plan(config: str, overrides: list[str], budgets: list[float], out: str, size
         log.warning("warning: --budgets: %s given more than once: planned once", ", ".join(f"{c:.3g}" for c in repeated))
     budgets = sorted(set(budgets))
     base = load_config(config, overrides)
+    if parametrization:
+        set_parametrization(base, parametrization)
     if not base.data.validation:
         raise ConfigError("the base config has no data.validation: a sweep's points are eval losses on held-out "
                           "data; name a validation source (data.validation)")
@@ -173,9 +179,25 @@ def plan(config: str, overrides: list[str], budgets: list[float], out: str, size
               "lr": lr, "name": sweep}
     _make_room(out_dir, inputs, replace)
     manifest = _write(base, rows, out_dir, sweep, schedule, lr, inputs)
+    if base.model.parametrization == "sp" and not lr:
+        log.info("note: under sp each size's rate is a guess (sqrt(base dim / dim)); with --parametrization mup "
+                 "(or completep) one rate tuned at the base (pretrain scaling lr-sweep) carries to every size")
     for w in sorted(set(warnings)):
         log.warning("warning: %s", w)
     return manifest
+
+
+def set_parametrization(base: Config, parametrization: str) -> None:
+    """--parametrization: the base config's model becomes the muP/CompleteP base of the family."""
+    m = base.model
+    if parametrization not in ("sp", "mup", "completep"):
+        raise ConfigError(f"--parametrization {parametrization!r}: sp, mup or completep")
+    m.parametrization = parametrization
+    if parametrization != "sp":
+        m.mup_base_dim = m.mup_base_dim or m.dim
+        m.mup_base_head_dim = m.mup_base_head_dim or m.head_dim
+    if parametrization == "completep":
+        m.mup_base_layers = m.mup_base_layers or m.n_layers
 
 
 def _check_apart(rows: list[dict]) -> None:
@@ -247,7 +269,8 @@ def _write(base: Config, rows: list[dict], out_dir: Path, sweep: str, schedule: 
         d["model"] = dataclasses.asdict(args)
         d["train"].update(max_steps=steps, run_dir=f"../runs/{run}")  # relative to the config: a copy is whole
         d["checkpoint"]["every_minutes"] = base.checkpoint.every_minutes or SAVE_MINUTES
-        d["optimizer"]["lr"] = lr or base.optimizer.lr * math.sqrt(base.model.dim / args.dim if base.model.dim else 1)
+        d["optimizer"]["lr"] = lr or (base.optimizer.lr if args.parametrization != "sp"  # muP: the base's rate
+                                      else base.optimizer.lr * math.sqrt(base.model.dim / args.dim))
         shortest = min(m["steps"] for m in members)  # a run's own end, or its first decay branch's
         d["schedule"].update(warmup_steps=max(1, min(base.schedule.warmup_steps, shortest // 10)), decay_steps=0,
                              kind="cosine" if schedule == "cosine" else "wsd",
@@ -259,12 +282,19 @@ def _write(base: Config, rows: list[dict], out_dir: Path, sweep: str, schedule: 
             manifest.append({"name": m["name"], "budget": m["budget"], "params": m["params"], "tokens": m["tokens"],
                              "flops": m["flops"], "config": f"configs/{run}.yaml", "run": run, "steps": steps,
                              "end_step": m["steps"], "dim": args.dim, "n_layers": args.n_layers})
-    with tempfile.TemporaryDirectory() as tmp:  # every config is one `pretrain train` accepts, before any is written
+    manifest.sort(key=lambda m: (m["budget"], m["params"]))
+    write_sweep(out_dir, texts, manifest, inputs)
+    return manifest
+
+
+def write_sweep(out_dir: Path, texts: dict[str, str], manifest: list[dict], inputs: dict) -> None:
+    """A sweep's files: its run configs (relative path -> YAML), plan.json and manifest.csv. Every
+    config is checked to be one `pretrain train` accepts before any file is written."""
+    with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "configs").mkdir()
         for rel, text in texts.items():
             (Path(tmp) / rel).write_text(text)
             load_config(str(Path(tmp) / rel))
-    manifest.sort(key=lambda m: (m["budget"], m["params"]))
     try:
         (out_dir / "configs").mkdir(parents=True, exist_ok=True)
         for rel, text in texts.items():
@@ -276,7 +306,6 @@ def _write(base: Config, rows: list[dict], out_dir: Path, sweep: str, schedule: 
             w.writerows(manifest)
     except OSError as e:
         raise ConfigError(f"--out {out_dir}: {e.strerror} ({e.filename})") from None
-    return manifest
 
 
 def read_manifest(sweep_dir: str | Path) -> list[dict]:
