@@ -11,7 +11,9 @@ moves at most one grid step across widths (depths); under sp it moves with width
     python bench/bench_mup_transfer.py --out docs/mup [--steps 300] [--workers 2]
     python bench/bench_mup_transfer.py --quick            # 2 widths, 3 rates, 20 steps: a smoke run
 
-Writes OUT/mup_transfer.json, OUT/mup_transfer.png, and prints a table for docs/mup.md.
+Writes OUT/mup_transfer.json, OUT/mup_transfer.png, and prints a table for docs/mup.md. Runs
+already in OUT/mup_transfer.json with the same steps, batch and sequence length are reused, so a
+grid can be widened (`--lrs`) without training again what it has.
 """
 
 from __future__ import annotations
@@ -166,13 +168,19 @@ def main() -> int:
                 dim, layers = (size, 4) if axis == "dim" else (128, size)
                 jobs.append(dict(sweep=name, parametrization=param, dim=dim, n_layers=layers, lr=lr, **common))
     jobs.sort(key=lambda j: -j["dim"] * j["n_layers"])  # the longest first, for an even finish
+    key = lambda j: tuple(j[k] for k in ("sweep", "dim", "n_layers", "lr", "steps", "batch", "seq_len"))  # noqa: E731
+    cached = Path(a.out) / "mup_transfer.json" if a.out else None
+    done = {key(r): r for r in json.loads(cached.read_text())["results"]} if cached and cached.is_file() else {}
+    results = [done[key(j)] for j in jobs if key(j) in done]
+    jobs = [j for j in jobs if key(j) not in done]
+    if results:
+        print(f"{len(results)} runs reused from {cached}")
     t0 = time.time()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with multiprocessing.get_context("spawn").Pool(a.workers) as pool:
-        results = []
-        for r in pool.imap_unordered(run_one, jobs):
+        for n, r in enumerate(pool.imap_unordered(run_one, jobs), start=1):
             results.append(r)
-            print(f"[{len(results)}/{len(jobs)} {time.time() - t0:6.0f}s] {r['sweep']:16s} dim {r['dim']:4d} "
+            print(f"[{n}/{len(jobs)} {time.time() - t0:6.0f}s] {r['sweep']:16s} dim {r['dim']:4d} "
                   f"layers {r['n_layers']} lr 2^{round(math.log2(r['lr']))}: {r['eval_loss']:.4f}", flush=True)
     summary = summarise(results, sweeps, lrs)
     print()
@@ -181,7 +189,7 @@ def main() -> int:
     for name, s in summary.items():
         print(f"{name}: best lr moves {s['shift_in_grid_steps']} grid steps "
               f"({', '.join(f'{k}: 2^{round(math.log2(v))}' for k, v in s['best_lr'].items())})")
-    print(f"{len(jobs)} runs in {time.time() - t0:.0f} s with {a.workers} workers on {platform.processor() or platform.machine()}, "
+    print(f"{len(jobs)} runs trained in {time.time() - t0:.0f} s with {a.workers} workers on {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores")
     if a.out:
         out = Path(a.out)

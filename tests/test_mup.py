@@ -86,6 +86,12 @@ def test_a_resume_with_another_parametrization_is_refused(completep_run):
     [line] = [x for x in proc.stderr.splitlines() if "error" in x]
     assert "was trained with model.parametrization=completep" in line and "this run has model.parametrization=mup" in line
     assert not (completep_run / "checkpoints" / "step_00000004").exists()
+    # fine-tuning from it under sp: the same weights would be another model
+    cmd = [sys.executable, "-m", "pretrain", "train", str(TINY), "logging.progress=false", *COMPLETEP[1:], *USER_PATH,
+           f"train.run_dir={completep_run.parent / 'tuned'}", "train.max_steps=4",
+           f"checkpoint.init_from={completep_run}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True)
+    assert proc.returncode == 2 and "this run has model.parametrization=sp" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
