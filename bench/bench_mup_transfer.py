@@ -59,7 +59,7 @@ def run_one(job: dict) -> dict:
     torch.manual_seed(cfg.train.seed)
     model = Transformer(args)
     model.init_weights()
-    optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"), args)
+    optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"))
     schedule = Schedule(cfg)
     loader = iter(dp.build_loader(cfg.data, tokenizer, micro_batch_size=job["batch"]))
     val = dp.build_validation_batches(cfg.data, tokenizer, rank=0, world_size=1, micro_batch_size=job["batch"],

@@ -108,7 +108,7 @@ def train_and_measure(args: ModelArgs, cfg: Config, batches: list[tuple[torch.Te
     torch.manual_seed(seed)
     model = Transformer(args)
     model.init_weights()
-    optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"), args)
+    optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"))
     for group in optimizer.param_groups:
         group["lr"] = cfg.optimizer.lr * group["lr_scale"]
     probe, probe_tokens, out = Probe(model), batches[0][0], []

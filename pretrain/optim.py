@@ -7,7 +7,7 @@ m = dim / mup_base_dim and m_L = n_layers / mup_base_layers (ModelArgs):
 
 | role      | lr multiplier | eps          | weight decay        |
 |-----------|---------------|--------------|---------------------|
-| hidden    | 1/m           | eps/m        | wd x m (lr x wd constant) |
+| hidden    | 1/m           | eps/m        | wd x m (lr x wd held) |
 | head      | 1             | eps          | wd                  |
 | embedding | 1             | eps          | wd if decay_embeddings, else 0 |
 | norm      | 1             | eps          | 0                   |
@@ -52,12 +52,12 @@ def group_settings(args: ModelArgs, cfg: OptimizerConfig) -> dict[str, dict]:
     return out
 
 
-def param_groups(model: torch.nn.Module, cfg: OptimizerConfig, args: ModelArgs | None = None) -> list[dict]:
+def param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> list[dict]:
     """The optimizer's groups, in role order (ROLES), roles with equal settings merged; under sp two
     groups, decayed (matrices) and not decayed (1-D params, and embeddings unless
     cfg.decay_embeddings). Roles are decided by name and ndim, which ZeRO-3 keeps in `ds_shape` when
     a parameter is partitioned. Each group carries its `lr_scale`."""
-    settings = group_settings(args or model.args, cfg)
+    settings = group_settings(model.args, cfg)
     groups: list[dict] = []
     for r in ROLES:
         key = settings[r]
@@ -72,9 +72,8 @@ def param_groups(model: torch.nn.Module, cfg: OptimizerConfig, args: ModelArgs |
     return [{k: v for k, v in g.items() if k != "roles"} for g in groups if g["params"]]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device,
-                    args: ModelArgs | None = None) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
     # torch's AdamW rather than DeepSpeed's FusedAdam/CPUAdam: no op build at start-up, and it resumes
     # bitwise (FusedAdam drifted ~5e-7 after a load when we measured it); fused on CUDA for speed.
-    return torch.optim.AdamW(param_groups(model, cfg, args), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+    return torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=cfg.eps, fused=device.type == "cuda")

@@ -276,9 +276,10 @@ class Transformer(nn.Module):
         """Initialise every parameter from the global torch RNG, in a fixed order.
 
         Seed right before calling: the same seed on the same device gives the same weights.
-        Embeddings and the untied LM head ~ N(0, init_std); input projections ~ N(0, hidden_init_std);
-        output projections (wo, w2) ~ N(0, out_init_std); norms = 1. Under sp the hidden std is
-        init_std and the output one init_std / sqrt(2 * n_layers); see ModelArgs for mup and completep. `gather(params)` is entered
+        Embeddings and the untied LM head ~ N(0, init_std); input projections (wq wk wv w1 w3) ~
+        N(0, hidden_init_std); output projections (wo, w2) ~ N(0, out_init_std); norms = 1. Under
+        sp those are init_std and init_std / sqrt(2 * n_layers); ModelArgs has mup's and completep's.
+        `gather(params)` is entered
         around each group it touches (embedding, each block, final norm + head), so ZeRO-3 can pass
         `lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0)` for a partitioned model.
         """
