@@ -10,6 +10,7 @@ moves at most one grid step across widths (depths); under sp it moves with width
 
     python bench/bench_mup_transfer.py --out docs/mup [--steps 300] [--workers 2]
     python bench/bench_mup_transfer.py --quick            # 2 widths, 3 rates, 20 steps: a smoke run
+    python bench/bench_mup_transfer.py --sweeps width/mup --widths 64,512 --set model.init_std=0.0625 --out DIR
 
 Writes OUT/mup_transfer.json, OUT/mup_transfer.png, and prints a table for docs/mup.md. Runs
 already in OUT/mup_transfer.json with the same steps, batch and sequence length are reused, so a
@@ -53,7 +54,7 @@ def run_one(job: dict) -> dict:
                                f"model.mup_base_layers={BASE_LAYERS}", f"optimizer.lr={job['lr']}",
                                f"train.max_steps={job['steps']}", f"schedule.warmup_steps={job['steps'] // 10}",
                                f"schedule.min_lr={job['lr'] / 10}", f"data.seq_len={job['seq_len']}",
-                               "data.num_workers=0"])
+                               "data.num_workers=0", *job["set"]])
     tokenizer, args = tokenizer_and_model_args(cfg)
     args = sized(sized(args, "dim", job["dim"]), "n_layers", job["n_layers"])
     torch.manual_seed(cfg.train.seed)
@@ -152,6 +153,9 @@ def main() -> int:
     p.add_argument("--widths", default="64,128,256,512")
     p.add_argument("--depths", default="2,4,8")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--sweeps", default="width/sp,width/mup,depth/mup,depth/completep", help="which of the four")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every run, e.g. model.init_std=0.05")
     p.add_argument("--quick", action="store_true")
     a = p.parse_args()
     if a.quick:
@@ -160,7 +164,8 @@ def main() -> int:
     widths, depths = [int(x) for x in a.widths.split(",")], [int(x) for x in a.depths.split(",")]
     sweeps = {"width/sp": ("sp", "dim", widths), "width/mup": ("mup", "dim", widths),
               "depth/mup": ("mup", "n_layers", depths), "depth/completep": ("completep", "n_layers", depths)}
-    common = dict(steps=a.steps, batch=a.batch, seq_len=a.seq_len, val_batches=8)
+    sweeps = {k: v for k, v in sweeps.items() if k in a.sweeps.split(",")}
+    common = dict(steps=a.steps, batch=a.batch, seq_len=a.seq_len, val_batches=8, set=a.set)
     jobs = []
     for name, (param, axis, sizes) in sweeps.items():
         for size in sizes:
@@ -168,7 +173,8 @@ def main() -> int:
                 dim, layers = (size, 4) if axis == "dim" else (128, size)
                 jobs.append(dict(sweep=name, parametrization=param, dim=dim, n_layers=layers, lr=lr, **common))
     jobs.sort(key=lambda j: -j["dim"] * j["n_layers"])  # the longest first, for an even finish
-    key = lambda j: tuple(j[k] for k in ("sweep", "dim", "n_layers", "lr", "steps", "batch", "seq_len"))  # noqa: E731
+    key = lambda j: tuple(str(j.get(k, [])) for k in ("sweep", "dim", "n_layers", "lr", "steps", "batch", "seq_len",  # noqa: E731
+                                                      "set"))
     cached = Path(a.out) / "mup_transfer.json" if a.out else None
     done = {key(r): r for r in json.loads(cached.read_text())["results"]} if cached and cached.is_file() else {}
     results = [done[key(j)] for j in jobs if key(j) in done]
