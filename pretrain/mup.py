@@ -58,10 +58,12 @@ def _rms(x: torch.Tensor) -> float:
 
 
 class Probe:
-    """Forward hooks that record the RMS of the activations above during one forward."""
+    """Forward hooks that record the RMS of the activations above, in `measure` only (the training
+    forwards pass them by)."""
 
     def __init__(self, model: Transformer):
         self.sq: dict[str, float] = {}
+        self.active = False
         self.handles = [model.tok_embeddings.register_forward_hook(self._keep("embedding"))]
         blocks = list(model.layers)
         for i, block in enumerate(blocks):
@@ -70,11 +72,14 @@ class Probe:
 
     def _keep(self, key: str):
         def hook(module, inputs, output):
-            self.sq[key] = _rms(output) ** 2
+            if self.active:
+                self.sq[key] = _rms(output) ** 2
         return hook
 
     def _attention(self, key: str):
         def hook(module: Attention, inputs):
+            if not self.active:
+                return
             x, freqs_cis = inputs[0], inputs[1]
             B, T, _ = x.shape
             q = apply_rotary_emb(module.wq(x).view(B, T, module.n_heads, module.head_dim), freqs_cis)
@@ -86,10 +91,11 @@ class Probe:
         return hook
 
     def measure(self, model: Transformer, tokens: torch.Tensor) -> dict[str, float]:
-        """RMS of each activation on `tokens`, with the depth-pooled keys."""
-        self.sq = {}
+        """RMS of each activation on `tokens`, also under the names by relative depth."""
+        self.sq, self.active = {}, True
         with torch.no_grad():
             self.sq["logits"] = _rms(model(tokens)) ** 2
+        self.active = False
         n = len(model.layers)
         out = {k: math.sqrt(v) for k, v in self.sq.items()}
         if n % 2 == 0:
