@@ -18,7 +18,8 @@ optimizer.lr scaled by sqrt(base dim / dim) (a heuristic: wider models take smal
 `--lr` for all; under muP or CompleteP (`--parametrization`, or the base config's
 model.parametrization) one rate for every size, `--lr` or the base config's: the base model is the
 base config's (mup_base_dim = its dim, mup_base_layers = its depth, unless it sets them), where
-`pretrain scaling lr-sweep` tuned the rate (docs/mup.md). Warmup: the base config's, at most 10% of the run's steps (of its first branch with wsd-s).
+`pretrain scaling lr-sweep` tuned the rate (docs/mup.md). Warmup: the base config's, at most 10%
+of the run's steps (of its first branch with wsd-s).
 
 Schedules: `--schedule cosine` (default; decay to the end of each run), `wsd` (warmup, stable,
 decay over schedule.decay_fraction), or `wsd-s`: one run per size whose decay branches end at each
