@@ -46,7 +46,7 @@ def run_one(job: dict) -> dict:
     from pretrain.config import load_config
     from pretrain.model.model import Transformer
     from pretrain.mup import sized
-    from pretrain.optim import build_optimizer
+    from pretrain.optim import build_optimizer, set_lr
     from pretrain.schedule import Schedule
 
     torch.set_num_threads(1)
@@ -67,8 +67,7 @@ def run_one(job: dict) -> dict:
                                       n_batches=job["val_batches"])
     t0, loss = time.perf_counter(), None
     for step in range(job["steps"]):
-        for group in optimizer.param_groups:
-            group["lr"] = schedule(step) * group["lr_scale"]
+        set_lr(optimizer, schedule(step))
         batch = next(loader)
         loss = model(batch["input_ids"], batch["labels"])
         if not torch.isfinite(loss):

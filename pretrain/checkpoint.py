@@ -248,8 +248,8 @@ class CheckpointManager:
         diff = [f"{k}: checkpoint {saved.get(k)} vs config {v}" for k, v in ours.items()
                 if k in saved and saved[k] != v or k in SHAPE_FIELDS and k not in saved]
         saved_p = meta.get("model_parametrization", {"parametrization": "sp"})  # not recorded: sp
-        if saved_p != self.model_args.parametrization_spec():
-            ours_p = self.model_args.parametrization_spec()
+        ours_p = self.model_args.parametrization_spec()
+        if saved_p != ours_p:
             raise collective(CheckpointError(
                 f"checkpoint {ckpt} was trained with " + ", ".join(f"model.{k}={v}" for k, v in saved_p.items())
                 + ", this run has " + ", ".join(f"model.{k}={v}" for k, v in ours_p.items())

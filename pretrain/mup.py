@@ -48,7 +48,7 @@ from pretrain.config import Config, load_config
 from pretrain.errors import ConfigError, UserError
 from pretrain.model.args import ModelArgs
 from pretrain.model.model import Attention, Transformer, apply_rotary_emb
-from pretrain.optim import build_optimizer
+from pretrain.optim import build_optimizer, set_lr
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +108,17 @@ class Probe:
             h.remove()
 
 
-def train_and_measure(args: ModelArgs, cfg: Config, batches: list[tuple[torch.Tensor, torch.Tensor]],
+def train_and_measure(args: ModelArgs, cfg: Config, batch: tuple[torch.Tensor, torch.Tensor], steps: int,
                       seed: int) -> list[dict[str, float]]:
-    """The activations' RMS after each of len(batches) steps of one model: one dict per step."""
+    """The activations' RMS after each of `steps` steps of one model on `batch` (inputs, labels):
+    one dict per step."""
     torch.manual_seed(seed)
     model = Transformer(args)
     model.init_weights()
     optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"))
-    for group in optimizer.param_groups:
-        group["lr"] = cfg.optimizer.lr * group["lr_scale"]
-    probe, probe_tokens, out = Probe(model), batches[0][0], []
-    for inputs, labels in batches:
+    set_lr(optimizer, cfg.optimizer.lr)
+    probe, (inputs, labels), out = Probe(model), batch, []
+    for _ in range(steps):
         loss = model(inputs, labels)
         if not torch.isfinite(loss):
             raise UserError(f"the check diverged at model.dim={args.dim}, model.n_layers={args.n_layers} "
@@ -126,7 +126,7 @@ def train_and_measure(args: ModelArgs, cfg: Config, batches: list[tuple[torch.Te
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        out.append(probe.measure(model, probe_tokens))
+        out.append(probe.measure(model, inputs))
     probe.close()
     return out
 
@@ -147,25 +147,27 @@ def sized(base: ModelArgs, name: str, size: int) -> ModelArgs:
         if size % base.head_dim:
             raise ConfigError(f"--widths: {size} is not a multiple of head_dim {base.head_dim} (model.dim / "
                               "model.n_heads): widths grow by heads")
+        from pretrain.scaling.plan import grown
+
         heads = size // base.head_dim
         group = base.n_heads // base.kv_heads
         if heads % group:
             raise ConfigError(f"--widths: {size} has {heads} heads, not a multiple of the GQA group of {group} "
                               "query heads per KV head")
-        args = dataclasses.replace(base, dim=size, n_heads=heads, n_kv_heads=heads // group if base.n_kv_heads else 0)
+        args = grown(base, base.n_layers, heads // group)  # as the scaling planner grows its family
     problems = args.problems()
     if problems:
         raise ConfigError(f"model.{name}={size}: " + "; ".join(problems))
     return args
 
 
-def _sweep(name: str, sizes: list[int], base: ModelArgs, cfg: Config, batches, seeds: int) -> dict:
+def _sweep(name: str, sizes: list[int], base: ModelArgs, cfg: Config, batch, steps: int, seeds: int) -> dict:
     """{"sizes", "rms": {key: [[per step] per size]}, "slopes": {key: slope after the last step}}."""
     per_size = []
     for size in sizes:
         args = sized(base, name, size)
-        runs = [train_and_measure(args, cfg, batches, cfg.train.seed + s) for s in range(seeds)]
-        per_size.append([{k: sum(r[t][k] for r in runs) / seeds for k in runs[0][t]} for t in range(len(batches))])
+        runs = [train_and_measure(args, cfg, batch, steps, cfg.train.seed + s) for s in range(seeds)]
+        per_size.append([{k: sum(r[t][k] for r in runs) / seeds for k in runs[0][t]} for t in range(steps)])
         log.info("%s=%d: %s", name, size, "  ".join(f"{k} {v:.3g}" for k, v in per_size[-1][-1].items()
                                                      if not k[-1].isdigit()))
     keys = [k for k in per_size[0][0] if k in per_size[-1][0]]
@@ -177,8 +179,8 @@ def _sweep(name: str, sizes: list[int], base: ModelArgs, cfg: Config, batches, s
     return {"sizes": sizes, "rms": rms, "slopes": {k: slope(sizes, [r[-1] for r in rms[k]]) for k in keys}}
 
 
-def _batches(cfg: Config, steps: int, batch_size: int, seq_len: int):
-    """`steps` times one batch of the config's data (inputs, labels), and the vocab size."""
+def _batch(cfg: Config, batch_size: int, seq_len: int):
+    """One batch of the config's data (inputs, labels), and the vocab size."""
     import data_pipeline as dp
 
     from pretrain.build import tokenizer_and_model_args
@@ -186,7 +188,7 @@ def _batches(cfg: Config, steps: int, batch_size: int, seq_len: int):
     tokenizer, filled = tokenizer_and_model_args(cfg)
     loader = dp.build_loader(dataclasses.replace(cfg.data, seq_len=seq_len), tokenizer, micro_batch_size=batch_size)
     batch = next(iter(loader))
-    return [(batch["input_ids"], batch["labels"])] * steps, filled.vocab_size
+    return (batch["input_ids"], batch["labels"]), filled.vocab_size
 
 
 def check(config: str, overrides: list[str], widths: list[int], depths: list[int], steps: int = 10,
@@ -203,17 +205,17 @@ def check(config: str, overrides: list[str], widths: list[int], depths: list[int
     if widths and cfg.model.ffn_hidden_dim:
         raise ConfigError(f"model.ffn_hidden_dim={cfg.model.ffn_hidden_dim} fixes the SwiGLU width while --widths "
                           "varies model.dim: set it to 0 (derived from dim)")
-    batches, vocab = _batches(cfg, steps, batch_size, seq_len)
+    batch, vocab = _batch(cfg, batch_size, seq_len)
     base = dataclasses.replace(cfg.model, vocab_size=vocab)
     result = {"parametrization": base.parametrization, "mup_base_dim": base.mup_base_dim,
               "mup_base_layers": base.mup_base_layers, "dim": base.dim, "n_layers": base.n_layers,
               "lr": cfg.optimizer.lr, "steps": steps, "seeds": seeds,
               "batch_size": batch_size, "seq_len": seq_len}
     if widths:
-        w = _sweep("dim", widths, base, cfg, batches, seeds)
+        w = _sweep("dim", widths, base, cfg, batch, steps, seeds)
         result.update(widths=widths, rms=w["rms"], slopes=w["slopes"])
     if depths:
-        d = _sweep("n_layers", depths, base, cfg, batches, seeds)
+        d = _sweep("n_layers", depths, base, cfg, batch, steps, seeds)
         result.update(depths=depths, depth_rms=d["rms"], depth_slopes=d["slopes"])
     return result
 

@@ -72,6 +72,13 @@ def param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> list[dict]:
     return [{k: v for k, v in g.items() if k != "roles"} for g in groups if g["params"]]
 
 
+def set_lr(optimizer, lr: float) -> None:
+    """Give each group the rate `lr` x its `lr_scale` (groups restored from checkpoints written before
+    groups had one are sp's: 1)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
     # torch's AdamW rather than DeepSpeed's FusedAdam/CPUAdam: no op build at start-up, and it resumes
     # bitwise (FusedAdam drifted ~5e-7 after a load when we measured it); fused on CUDA for speed.

@@ -20,6 +20,7 @@ import data_pipeline as dp
 from pretrain import distributed, faults
 from pretrain.errors import UserError
 from pretrain.metrics import MetricLogger, memory_stats, peak_flops
+from pretrain.optim import set_lr
 from pretrain.parallelize import trainer_clips
 from pretrain.resilience import Spikes
 
@@ -169,8 +170,7 @@ class Trainer:
         all-reduce and one host sync per step: the losses and their finiteness are reduced together
         after the last forward, and read on the host with the gradient norm, before the update."""
         lr = self.schedule(self.step, self.decay_end)  # the rate of this step; DeepSpeed has no scheduler
-        for group in self.optimizer.param_groups:  # lr_scale: muP's multiplier of the group (pretrain/optim.py)
-            group["lr"] = lr * group.get("lr_scale", 1.0)
+        set_lr(self.optimizer, lr)  # x each group's muP multiplier (pretrain/optim.py)
         self.lr = lr
         self._drop_update = self._grad_nonfinite = False
         self._spike = ""

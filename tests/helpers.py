@@ -158,3 +158,16 @@ def wandb_history(run_dir: Path) -> list[dict]:
         if r.WhichOneof("record_type") == "history":
             rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item})
     return rows
+
+
+def rewrite_meta(ckpt: Path, edit) -> None:
+    """Edit meta.json and keep the manifest true to it (size and sha256), so that only the edit differs."""
+    import hashlib
+
+    meta = json.loads((ckpt / "meta.json").read_text())
+    edit(meta)
+    data = json.dumps(meta).encode()
+    (ckpt / "meta.json").write_bytes(data)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["meta.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))

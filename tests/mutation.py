@@ -199,7 +199,7 @@ MUTANTS = [
            f"{RUN_STATE}::test_an_overflow_with_a_finite_loss_stops_and_keeps_the_checkpoint[0]"),
 
     # -- muP / CompleteP
-    mutant("mup-lr-scale-ignored", "pretrain/trainer.py",
+    mutant("mup-lr-scale-ignored", "pretrain/optim.py",
            'group["lr"] = lr * group.get("lr_scale", 1.0)', 'group["lr"] = lr',
            "the trainer gives every group the base rate: muP's hidden matrices train at lr, not lr / m",
            "tests/test_mup.py::test_the_groups_rates_reach_the_optimizer_on_the_users_path_and_after_a_resume"),
@@ -209,7 +209,7 @@ MUTANTS = [
            "tests/model/test_parametrization.py::test_optimizer_groups",
            "tests/test_mup.py::test_the_groups_eps_and_decay_are_in_the_saved_optimizer_state"),
     mutant("mup-logits-unscaled", "pretrain/model/model.py",
-           "            h = h * self.args.logit_scale\n", "            h = h\n",
+           "            h = h * self.logit_scale\n", "            h = h\n",
            "muP's output logits are not multiplied by 1/m",
            "tests/model/test_parametrization.py::test_folded_export_gives_our_logits_in_hf",
            "tests/test_mup.py::test_coordinate_check_across_width"),
@@ -224,7 +224,7 @@ MUTANTS = [
            "muP's hidden matrices are drawn at the base std at every width",
            "tests/model/test_parametrization.py::test_init_follows_the_parametrization"),
     mutant("mup-parametrization-unchecked", "pretrain/checkpoint.py",
-           "        if saved_p != self.model_args.parametrization_spec():", "        if False:",
+           "        if saved_p != ours_p:", "        if False:",
            "a resume (or fine-tune) under another parametrization is not refused",
            "tests/test_mup.py::test_a_resume_with_another_parametrization_is_refused"),
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import rewrite_meta
 from pretrain import distributed
 from pretrain.checkpoint import CheckpointManager, open_checkpoint
 from pretrain.config import CheckpointConfig
@@ -250,22 +251,9 @@ def _saved(run_dir, step=1, **cfg):
     return run.checkpoints / f"step_{step:08d}"
 
 
-def _rewrite_meta(ckpt: Path, edit) -> None:
-    """Edit meta.json and keep the manifest true to it (size and sha256), so that only the edit differs."""
-    import hashlib
-
-    meta = json.loads((ckpt / "meta.json").read_text())
-    edit(meta)
-    data = json.dumps(meta).encode()
-    (ckpt / "meta.json").write_bytes(data)
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["files"]["meta.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
-
-
 def test_a_checkpoint_of_a_newer_format_is_refused_by_every_reader(tmp_path):
     ckpt = _saved(tmp_path / "run")
-    _rewrite_meta(ckpt, lambda m: m.update(format=3))
+    rewrite_meta(ckpt, lambda m: m.update(format=3))
     want = f"checkpoint {ckpt} has format 3, newer than this pretrain reads (2): upgrade pretrain"
     with pytest.raises(CheckpointError) as e:
         manager(tmp_path / "run", resume="auto")
@@ -286,7 +274,7 @@ def test_a_format_1_checkpoint_is_read_only_by_init_from(tmp_path):
     def to_format_1(meta):
         del meta["format"], meta["run_id"]
 
-    _rewrite_meta(ckpt, to_format_1)
+    rewrite_meta(ckpt, to_format_1)
     older = "has format 1, written by an older pretrain: this version cannot resume it, but checkpoint.init_from"
     for kw in ({"resume": "auto"}, {"resume": str(ckpt)}):
         with pytest.raises(CheckpointError, match=older):

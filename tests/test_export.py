@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from helpers import run_train
+from helpers import rewrite_meta, run_train
 from pretrain.cli import main
 from pretrain.export import export, load_for_inference
 
@@ -67,7 +67,6 @@ def test_export_of_a_missing_or_incomplete_checkpoint(tmp_path, capsys):
 def test_a_format_1_checkpoint_exports_the_same_weights(tmp_path, checkpoint):
     """Format 1 (before run ids: no `format`, no `run_id` in meta.json) cannot be resumed, but export
     reads its weights: the export equals that of the same checkpoint in the current format."""
-    import hashlib
     import shutil
 
     from safetensors.torch import load_file
@@ -77,13 +76,7 @@ def test_a_format_1_checkpoint_exports_the_same_weights(tmp_path, checkpoint):
     src = resolve_checkpoint(checkpoint)
     old = tmp_path / "old" / src.name
     shutil.copytree(src, old)
-    meta = json.loads((old / "meta.json").read_text())
-    del meta["format"], meta["run_id"]
-    data = json.dumps(meta).encode()
-    (old / "meta.json").write_bytes(data)
-    manifest = json.loads((old / "manifest.json").read_text())
-    manifest["files"]["meta.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (old / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_meta(old, lambda m: (m.pop("format"), m.pop("run_id")))
     assert main(["export", str(old), str(tmp_path / "hf_old")]) == 0
     export(str(src), str(tmp_path / "hf_new"))
     got, want = load_file(tmp_path / "hf_old" / "model.safetensors"), load_file(tmp_path / "hf_new" / "model.safetensors")

@@ -223,6 +223,7 @@ class Transformer(nn.Module):
         self.output = LMHead(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.logit_scale = args.logit_scale  # mup, completep: logits x 1/m
         # Non-persistent: derived from args, so checkpoints hold weights only.
         self.register_buffer("freqs_cis", self.rope_table(), persistent=False)
 
@@ -267,8 +268,8 @@ class Transformer(nn.Module):
             else:
                 h = layer(h, freqs_cis, cache.k[i], cache.v[i], start_pos)
         h = self.norm(h)
-        if self.args.logit_scale != 1.0:  # mup, completep: logits x 1/m, applied to the head's input
-            h = h * self.args.logit_scale
+        if self.logit_scale != 1.0:  # applied to the head's input: the same, and D wide instead of V
+            h = h * self.logit_scale
         return self.output(h, labels, loss_chunk)  # (B, T, V), or the loss
 
     @torch.no_grad()

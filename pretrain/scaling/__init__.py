@@ -80,10 +80,11 @@ def _ladder(args):
 
 def ladder_cli(args) -> None:
     from pretrain.errors import UserError
+    from pretrain.scaling import ladder as L
 
     points, r = _ladder(args)
     law, sig, t = r["step1"]["law"], r["step2"], r["target"]
-    task, _, metric = args.target.rpartition("/")
+    task, metric = L.parse_target(args.target)
     print(f"{len(points)} points, {len({p.params for p in points})} model sizes: {args.target} from {task}/bpb")
     print(f"step 1: {task}/bpb(N, D) = {law['E']:.4g} + {law['A']:.4g} / N^{law['alpha']:.3f} + "
           f"{law['B']:.4g} / D^{law['beta']:.3f}")

@@ -11,7 +11,6 @@ reported (DIR/lr_sweep.json), with a warning when it is at either end of the gri
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -19,7 +18,7 @@ from pathlib import Path
 
 from pretrain.config import load_config
 from pretrain.errors import ConfigError, UserError
-from pretrain.scaling.plan import SAVE_MINUTES, _make_room, read_manifest, write_sweep
+from pretrain.scaling.plan import PLAN, _make_room, read_manifest, run_config, write_sweep
 
 log = logging.getLogger(__name__)
 RESULT = "lr_sweep.json"
@@ -50,12 +49,8 @@ def plan_lr_sweep(config: str, overrides: list[str], lrs: list[float], out: str,
     texts, manifest = {}, []
     for lr in lrs:
         run = f"lr{lr:.3g}".replace("+", "")
-        d = base.to_dict()
-        d["model"] = dataclasses.asdict(args)  # with the vocabulary filled in, as the trainer records it
+        d = run_config(base, args, sweep, run)
         d["optimizer"]["lr"] = lr
-        d["train"]["run_dir"] = f"../runs/{run}"
-        d["checkpoint"]["every_minutes"] = base.checkpoint.every_minutes or SAVE_MINUTES
-        d["logging"].update(group=sweep, name=f"{sweep}/{run}")
         texts[f"configs/{run}.yaml"] = yaml.safe_dump(d, sort_keys=False)
         manifest.append({"name": run, "budget": flops, "params": matmul_params(args), "tokens": tokens,
                          "flops": flops, "config": f"configs/{run}.yaml", "run": run, "steps": steps,
@@ -70,7 +65,7 @@ def report(sweep_dir: str) -> dict:
     from pretrain.scaling.results import run_losses
 
     sweep = Path(sweep_dir)
-    plan = json.loads((sweep / "plan.json").read_text()) if (sweep / "plan.json").is_file() else {}
+    plan = json.loads((sweep / PLAN).read_text()) if (sweep / PLAN).is_file() else {}
     if plan.get("inputs", {}).get("kind") != "lr-sweep":
         raise ConfigError(f"{sweep_dir} is not an lr-sweep dir (make one with `pretrain scaling lr-sweep`)")
     rows = read_manifest(sweep)

@@ -69,6 +69,14 @@ INCIDENTAL = ("train.run_dir", "train.micro_batch_size", "train.overwrite", "tra
               "checkpoint.", "logging.", "distributed.")
 
 
+def grown(base: ModelArgs, n_layers: int, groups: int) -> ModelArgs:
+    """The member of base's family of depth n_layers and width `groups` GQA groups of heads: base's
+    head_dim and query heads per KV head, the SwiGLU width derived from dim."""
+    heads = groups * (base.n_heads // base.kv_heads)
+    return dataclasses.replace(base, preset="", dim=heads * base.head_dim, n_layers=n_layers, n_heads=heads,
+                               n_kv_heads=groups if base.n_kv_heads else 0, ffn_hidden_dim=0)
+
+
 @dataclasses.dataclass
 class Family:
     base: ModelArgs
@@ -79,11 +87,7 @@ class Family:
         return self.base.n_heads // self.base.kv_heads
 
     def shape(self, n_layers: int, groups: int) -> ModelArgs:
-        """The member of depth n_layers and width `groups` GQA groups of heads."""
-        b = self.base
-        heads = groups * self.group
-        return dataclasses.replace(b, preset="", dim=heads * b.head_dim, n_layers=n_layers, n_heads=heads,
-                                   n_kv_heads=groups if b.n_kv_heads else 0, ffn_hidden_dim=0)
+        return grown(self.base, n_layers, groups)
 
     @functools.cached_property
     def members(self) -> list[tuple[int, ModelArgs]]:
@@ -266,17 +270,14 @@ def _write(base: Config, rows: list[dict], out_dir: Path, sweep: str, schedule: 
     for run, members in runs.items():
         args = members[0]["args"]
         steps = max(m["steps"] for m in members)
-        d = base.to_dict()
-        d["model"] = dataclasses.asdict(args)
-        d["train"].update(max_steps=steps, run_dir=f"../runs/{run}")  # relative to the config: a copy is whole
-        d["checkpoint"]["every_minutes"] = base.checkpoint.every_minutes or SAVE_MINUTES
+        d = run_config(base, args, sweep, run)
+        d["train"]["max_steps"] = steps
         d["optimizer"]["lr"] = lr or (base.optimizer.lr if args.parametrization != "sp"  # muP: the base's rate
                                       else base.optimizer.lr * math.sqrt(base.model.dim / args.dim))
         shortest = min(m["steps"] for m in members)  # a run's own end, or its first decay branch's
         d["schedule"].update(warmup_steps=max(1, min(base.schedule.warmup_steps, shortest // 10)), decay_steps=0,
                              kind="cosine" if schedule == "cosine" else "wsd",
                              decay_points=sorted(m["steps"] for m in members if m["steps"] < steps))
-        d["logging"].update(group=sweep, name=f"{sweep}/{run}")
         d["scaling"] = {"sweep": sweep, "budgets": sorted(m["budget"] for m in members)}
         texts[f"configs/{run}.yaml"] = yaml.safe_dump(d, sort_keys=False)
         for m in members:
@@ -286,6 +287,18 @@ def _write(base: Config, rows: list[dict], out_dir: Path, sweep: str, schedule: 
     manifest.sort(key=lambda m: (m["budget"], m["params"]))
     write_sweep(out_dir, texts, manifest, inputs)
     return manifest
+
+
+def run_config(base: Config, args: ModelArgs, sweep: str, run: str) -> dict:
+    """The base config of one run of a sweep dir: its model (vocabulary filled in, as the trainer
+    records it), its run dir relative to the config (a copied sweep is whole), the save cadence, and
+    the W&B group and name."""
+    d = base.to_dict()
+    d["model"] = dataclasses.asdict(args)
+    d["train"]["run_dir"] = f"../runs/{run}"
+    d["checkpoint"]["every_minutes"] = base.checkpoint.every_minutes or SAVE_MINUTES
+    d["logging"].update(group=sweep, name=f"{sweep}/{run}")
+    return d
 
 
 def write_sweep(out_dir: Path, texts: dict[str, str], manifest: list[dict], inputs: dict) -> None:
