@@ -150,3 +150,16 @@ def test_folded_export_gives_our_logits_in_hf(kw, attn):
         assert (plain(tokens) - ref).abs().max() > 0.1  # unfolded, the multipliers would be missed
     with pytest.raises(ValueError, match="fold its multipliers first"):
         to_hf_config(args)
+
+
+def test_a_hugging_face_start_is_refused_under_mup(tmp_path):
+    """An HF model's weights are sp: fine-tuning it under mup would run another model."""
+    from pretrain.build import hf_model_args
+    from pretrain.errors import ConfigError
+
+    hf = tmp_path / "hf"
+    transformers.LlamaForCausalLM(to_hf_config(args_of())).save_pretrained(hf)
+    cfg = load_config(None, ["model.parametrization=mup", "model.mup_base_dim=64", f"checkpoint.init_from={hf}"])
+    with pytest.raises(ConfigError, match="is a Hugging Face model, whose weights are in the standard parametrization"):
+        hf_model_args(cfg)
+    assert hf_model_args(load_config(None, [f"checkpoint.init_from={hf}"])).parametrization == "sp"  # accepted
