@@ -84,11 +84,10 @@ def data(cfg: Config, tokenizer, env: distributed.Dist):
     return loader, val_batches
 
 
-def engine(cfg: Config, args: ModelArgs, env: distributed.Dist, precision: str, universal: bool,
-           init_weights_from: Path | None):
+def engine(cfg: Config, args: ModelArgs, env: distributed.Dist, precision: str, init_weights_from: Path | None):
     """The DeepSpeed engine over a freshly built model (ZeRO-3: built partitioned), initialised from
-    the seed or, for fine-tuning, with the weights of `init_weights_from`. `universal`: the optimizer
-    state to be restored was saved at another world size. Returns (engine, DeepSpeed config)."""
+    the seed or, for fine-tuning, with the weights of `init_weights_from`. Returns (engine,
+    DeepSpeed config)."""
     from pretrain.checkpoint import load_weights
     from pretrain.parallelize import apply_compile, build_engine, build_model, deepspeed_config
 
@@ -97,8 +96,6 @@ def engine(cfg: Config, args: ModelArgs, env: distributed.Dist, precision: str, 
         log.info("note: the accelerate config says zero_stage %s; this run uses distributed.zero_stage=%d "
                  "from the run config", launcher_stage, cfg.distributed.zero_stage)
     ds_config = deepspeed_config(cfg, env.world_size, precision)
-    if universal:
-        ds_config["checkpoint"] = {"load_universal": True}
     model = build_model(args, cfg, ds_config, seed=cfg.train.seed)
     if init_weights_from is not None:
         load_weights(model, init_weights_from, env, zero3=cfg.distributed.zero_stage == 3)

@@ -183,6 +183,8 @@ class CheckpointManager:
         self._writer = None  # saving.ShardWriter, DeepSpeed's checkpoint engine once track(engine=) ran
         self._job = None  # the save in progress (saving.SaveJob)
         self.after_write = None  # f(step), in each rank's save thread once its files are written (PRETRAIN_FAULT)
+        self.progress = lambda: None  # f(), called as a long conversion goes on (the watchdog's progress mark)
+        self.pinned = lambda: None  # f() -> a step: rotation keeps the newest checkpoint before it (a rollback's)
         self.last_size = 0  # bytes of the newest checkpoint, for the free-space warning
         self.timings: dict[str, float] = {}  # verify_s, load_s of the start point (seconds)
 
@@ -394,14 +396,17 @@ class CheckpointManager:
 
     def _load_engine(self, start: Start) -> None:
         """Weights, optimizer state (and their hyperparameters) from DeepSpeed's shards; at another
-        world size through DeepSpeed's universal checkpoint (the engine was built with
-        checkpoint.load_universal)."""
+        world size through DeepSpeed's universal checkpoint."""
         engine, ckpt = self.engine, start.path
         load_dir, tag = ckpt.parent, ckpt.name
         universal = start.universal(self.env.world_size)
         if universal:
             folder = self._universal_dir(ckpt)
             load_dir, tag = folder.parent, folder.name
+        # Decided per checkpoint, not once per engine (DeepSpeed reads its config's load_universal
+        # at each load): after a resume at another world size, a decay branch or a rollback goes
+        # back to a checkpoint of this world size, or to one of the old size.
+        engine._config.load_universal_checkpoint = universal
         groups = engine.optimizer.param_groups
         hyper = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in groups]
         path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
@@ -437,6 +442,7 @@ class CheckpointManager:
         # A 7B conversion can take longer than a collective timeout: the other ranks do not wait in
         # one collective for it, they meet rank 0 every few seconds until it is done.
         while distributed.agree_max([int(proc is not None and proc.poll() is None)])[0]:
+            self.progress()  # (a conversion inside the loop, for a rollback, is not a hang)
             time.sleep(2)
         if proc is not None:
             proc.wait()
@@ -543,6 +549,7 @@ class CheckpointManager:
         write_atomic(partial / "manifest.json", json.dumps({"files": manifest}, indent=1))
         fsync_dir(partial)
         if final.exists():  # the same step saved before (it can only be this run's: see plan_start)
+            shutil.rmtree(self.root / ".universal" / final.name, ignore_errors=True)  # (its conversion is stale)
             trash = self.root / f".trash_{final.name}"
             shutil.rmtree(trash, ignore_errors=True)
             final.rename(trash)
@@ -596,18 +603,40 @@ class CheckpointManager:
                             self.last_size / 2**30)
 
     def _rotate(self) -> None:
-        """Keep the newest keep_last complete checkpoints of this run plus every keep_every-th step;
-        remove leftovers of interrupted saves. Checkpoints of another run id are never touched."""
+        """Keep the newest keep_last complete checkpoints of this run plus every keep_every-th step,
+        and, while spikes are recent, the newest one before the first of them (a rollback's target);
+        remove leftovers of interrupted saves, and universal conversions of checkpoints that are gone.
+        Checkpoints of another run id are never touched."""
         done = [p for p in complete_checkpoints(self.root) if self._run_of(p) == self.run.run_id]
         keep = set(done[-self.cfg.keep_last:])
         if self.cfg.keep_every:
             keep |= {p for p in done if int(p.name[5:]) % self.cfg.keep_every == 0}
+        first_spike = self.pinned()
+        if first_spike is not None:
+            keep |= set([p for p in done if int(p.name[5:]) < first_spike][-1:])
         for p in done:
             if p not in keep:
                 shutil.rmtree(p, ignore_errors=True)
         for p in self.root.iterdir():
-            if p.name.startswith((".partial_", ".trash_", ".universal")):
+            if p.name.startswith((".partial_", ".trash_")):
                 shutil.rmtree(p, ignore_errors=True)
+        for p in (self.root / ".universal").glob("*"):
+            if not (self.root / p.name).is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+
+    def set_aside_after(self, ckpt: Path, tag: int) -> None:
+        """Make `ckpt` the latest checkpoint again (a rollback; collective): the later ones, of the
+        abandoned timeline, move to RUN/rolled_back/NAME.TAG (kept, never resumed from)."""
+        distributed.barrier()  # every rank has read the checkpoints before rank 0 moves the later ones
+        if self.env.is_main:
+            step = read_meta(ckpt)["step"]
+            aside = self.run.path / "rolled_back"
+            for later in complete_checkpoints(self.root):
+                if read_meta(later)["step"] > step:
+                    aside.mkdir(exist_ok=True)
+                    later.rename(aside / f"{later.name}.{tag}")
+            write_atomic(self.root / "latest", ckpt.name)
+        distributed.barrier()
 
     @staticmethod
     def _run_of(ckpt: Path) -> str | None:

@@ -27,6 +27,7 @@ import yaml
 from data_pipeline.config import DataConfig
 from pretrain.errors import ConfigError
 from pretrain.model.args import PRESETS, ModelArgs
+from pretrain.resilience import HANG_EXIT_S
 
 
 @dataclass
@@ -214,9 +215,10 @@ class Config:
         hang, timeout = self.resilience.hang_timeout_s, self.distributed.timeout_s
         if not (math.isfinite(timeout) and timeout > 0):
             out.append(f"distributed.timeout_s={timeout} must be a number > 0")
-        elif not (math.isfinite(hang) and 0 <= hang < timeout):
-            out.append(f"resilience.hang_timeout_s={hang} must be >= 0 (0 = learned) and below distributed.timeout_s="
-                       f"{timeout}, so that the watchdog names the hanging rank before a collective times out")
+        elif not (math.isfinite(hang) and 0 <= hang and hang + HANG_EXIT_S < timeout):
+            out.append(f"resilience.hang_timeout_s={hang} must be >= 0 (0 = learned) and at least {HANG_EXIT_S:g} s "
+                       f"below distributed.timeout_s={timeout} (the hang report's time), so that the watchdog names "
+                       "the hanging rank before a collective times out")
         r = self.resilience
         if not (math.isfinite(r.spike_sigma) and r.spike_sigma >= 0) or r.spike_window < 2 or r.spike_warmup < 2 \
                 or r.spike_warmup > r.spike_window:

@@ -48,8 +48,9 @@ def _env_from_slurm() -> None:
         nodes = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
                                capture_output=True, text=True, check=True).stdout.split()
         os.environ["MASTER_ADDR"] = nodes[0]
-    # The same rule as slurm/env.sh: two jobs sharing a node never share a rendezvous port.
-    os.environ.setdefault("MASTER_PORT", str(15000 + int(os.environ.get("SLURM_JOB_ID", 0)) % 15000))
+    # The same rule as slurm/env.sh: two jobs sharing a node never share a rendezvous port (each
+    # job owns a block of 16: its first start's and its restarts').
+    os.environ.setdefault("MASTER_PORT", str(15000 + int(os.environ.get("SLURM_JOB_ID", 0)) % (15000 // 16) * 16))
 
 
 def _device_index(local_rank: int, visible: int) -> int:
@@ -263,6 +264,20 @@ def on_main(fn, *args, **kwargs):
     if error is not None:
         raise collective(error)
     return result
+
+
+def side_store(prefix: str, timeout_s: float):
+    """A connection of this process's own to the process group's rendezvous store (a TCPStore),
+    under `prefix`, for a thread that must not share the main thread's connection nor wait on it
+    (the watchdog's hang report): each operation fails after `timeout_s`. None without a TCP store."""
+    store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    while store is not None and hasattr(store, "underlying_store"):  # (torchrun nests PrefixStores)
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        return None
+    client = dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(prefix, client)
 
 
 def barrier() -> None:

@@ -22,6 +22,14 @@ class ConfigError(UserError):
         super().__init__("; ".join(self.problems))
 
 
+class NonFiniteStep(UserError):
+    """A non-finite loss or gradient norm with train.on_nonfinite=stop, too many dropped steps in a
+    row, or spikes past the last rollback; raised on every rank alike, before the update."""
+
+    exit_code = 3
+    collective = True
+
+
 class CheckpointError(UserError):
     """A checkpoint that is missing, incomplete, corrupt or does not match the run, or a save that
     failed (a full disk)."""

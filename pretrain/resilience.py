@@ -1,26 +1,45 @@
-"""Hangs named, stragglers found: a watchdog thread per rank (docs/reliability.md).
+"""Hangs named, stragglers found, spikes survived: a watchdog thread per rank, the straggler
+report, the spike detector and the rollback ledger (docs/reliability.md).
 
-The trainer marks each phase of a step as it enters it (`mark`: two attribute writes, no sync). When
-a rank's phase has not changed for the hang timeout, its watchdog writes every thread's stack
-(faulthandler) and a header (rank, host, phase, step) to RUN/hangs/<start>/rank-N.txt, waits a few
-seconds for the other ranks' watchdogs to do the same, and the lowest rank that wrote one logs one
-line naming the ranks that hang: those that wrote nothing (frozen, or gone), else those not waiting
-in a collective (the phase `collective`, or a main thread inside torch.distributed or
-deepspeed.comm: ZeRO-3's gathers run inside the forward). Every rank then exits with EXIT_HANG, so the job ends (and slurm/pretrain.sbatch,
-or a person, resumes it from the last checkpoint) instead of waiting for the collective timeout.
+The trainer marks each phase of a step as it enters it (`mark`: a few attribute writes, no sync),
+and long phases (evaluation, data skipped after a rollback, a checkpoint conversion) mark progress
+as they go (`progress`). When a rank's phase has not changed for the hang timeout, its watchdog
+starts a hang report, which every other rank's watchdog joins:
 
-The timeout: `resilience.hang_timeout_s`, or learned: STEP_MULTIPLE x the longest step so far, at
-least MIN_TIMEOUT_S; FIRST_TIMEOUT_S before the first step ends (start-up, compile) and in phases
-that take longer than a step (eval, save, a decay branch's restore). Always below the collective
-timeout (`distributed.timeout_s`), so the watchdog, which names the rank, fires first.
+1. the first watchdog to fire asks every rank for its state, through the rendezvous store (the
+   TCP store every rank already talks to; a connection of its own, whose operations time out);
+2. every watchdog looks for that request twice a second and answers it at once, whatever its own
+   timer says: its rank, host, phase, step, and whether it waits for other ranks (the phase
+   `collective`, a main thread inside torch.distributed or deepspeed.comm, or, on a GPU, a stream
+   that has not reached the host's latest mark: stalled behind a collective); it also writes every
+   thread's stack (faulthandler) to RUN/hangs/<start>/rank-N.txt, best effort with a time limit;
+3. the asking rank waits until every rank has answered (at most REPORT_WAIT_S), then prints one
+   line to stderr naming the ranks that hang: those that did not answer (frozen, or gone), else
+   those not waiting for others, and records exit 4 for slurm/pretrain.sbatch;
+4. every rank exits with code 4 once the line is out, so the job ends (and slurm/pretrain.sbatch,
+   or a person, resumes it from the last checkpoint) instead of waiting for the collective timeout.
+   A rank whose main thread fails meanwhile (its peer is gone) waits for the report instead of
+   recording a crash.
+
+A rank is "frozen" only when it did not answer the request: not because its own timer had not
+fired yet (the healthy ranks of a run with gradient accumulation keep making progress through
+their micro-batches and start waiting long after the hung rank stopped). Nothing of the report
+depends on the file system: a full disk, a quota or a frozen mount costs the stacks, not the verdict.
+
+The timeout: `resilience.hang_timeout_s`, or learned: STEP_MULTIPLE x the longest step so far (the
+first step under train.compile, which compiles, left out), at least MIN_TIMEOUT_S; FIRST_TIMEOUT_S
+before the first step ends (start-up, compile) and in phases that take longer than a step (eval,
+save, a decay branch's restore), between their progress marks. Always HANG_EXIT_S below the
+collective timeout (`distributed.timeout_s`), so that the watchdog, which names the rank, finishes
+its report before a collective times out.
 
 Stragglers: the same thread samples, 50 times a second, whether the main thread waits for other
-ranks (as above); at each log step the trainer gathers every rank's busy time (the window's time
-less its sampled waiting) and data wait over the CPU group and logs the slowest rank, its host and
-its busy time over the median's. A slow rank is busy longer, its peers wait for it: the
-all-reduce evens out their step times, not this. On a GPU, host sampling sees a slow host (data,
-CPU, Python), not a slow GPU, whose wait shows up on every rank alike: ComputeClock times each
-rank's own compute on the device for that (docs/reliability.md).
+ranks (on the host: the phase or the stack); at each log step the trainer gathers every rank's busy
+time (the window's time less its sampled waiting) and data wait over the CPU group and logs the
+slowest rank, its host and its busy time over the median's. A slow rank is busy longer, its peers
+wait for it: the all-reduce evens out their step times, not this. On a GPU, host sampling sees a
+slow host (data, CPU, Python), not a slow GPU, whose wait shows up on every rank alike: ComputeClock
+times each rank's own compute on the device for that (docs/reliability.md).
 
 A watchdog in our own code, not a library's: torch's NCCL watchdog covers NCCL collectives only
 (not gloo, data loading or a frozen process) and names no rank; nvidia-resiliency-ext's in-job
@@ -42,6 +61,8 @@ from pathlib import Path
 
 import torch
 
+from pretrain.errors import NonFiniteStep
+
 log = logging.getLogger(__name__)
 
 EXIT_HANG = 4
@@ -51,26 +72,76 @@ FIRST_TIMEOUT_S = 1200.0
 LONG_PHASES = ("start", "eval", "save", "branch")
 WAITING = "collective"  # a rank in this phase waits for the others
 POLL_S = 0.02  # the sampling interval (the timeout is checked at the same time)
+LOOK_S = 0.5  # how often a watchdog looks for another rank's request for a report
+REPORT_WAIT_S = 10.0  # the most the asking watchdog waits for every rank's answer
+IO_TIMEOUT_S = 5.0  # a report's file I/O (stacks, the exit record) is abandoned after this
+STORE_TIMEOUT_S = 5.0  # an operation on the rendezvous store that takes longer fails
+# From a watchdog firing to every rank's exit, at most: the answers, then the verdict's I/O.
+HANG_EXIT_S = REPORT_WAIT_S + 2 * IO_TIMEOUT_S + STORE_TIMEOUT_S
 EXIT_FILE = "PRETRAIN_EXIT_FILE"  # set by slurm/pretrain.sbatch: where a start records how it ended
-STRAGGLER_STREAK = 3  # log steps in a row over resilience.straggler_warn before the warning
+STRAGGLER_STREAK = 3  # log steps in a row with the same rank over resilience.straggler_warn before the warning
+
+
+class Channel:
+    """The hang report's messages, in a key-value store every rank reaches (the rendezvous store,
+    pretrain.distributed.side_store): the request, each rank's answer, the verdict."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def ask(self) -> bool:
+        """Request a report from every rank; True for the first rank to ask (it gives the verdict)."""
+        return self.store.add("asked", 1) == 1
+
+    def asked(self) -> bool:
+        return self.store.check(["asked"])
+
+    def answer(self, rank: int, head: dict) -> None:
+        self.store.set(f"rank/{rank}", json.dumps(head))
+
+    def answers(self, world: int) -> dict[int, dict]:
+        keys = [f"rank/{r}" for r in range(world)]
+        return {r: json.loads(self.store.get(k)) for r, k in enumerate(keys) if self.store.check([k])}
+
+    def publish(self, line: str) -> None:
+        self.store.set("verdict", line)
+
+    def verdict(self) -> str | None:
+        return self.store.get("verdict").decode() if self.store.check(["verdict"]) else None
 
 
 class Watchdog:
-    def __init__(self, hangs_dir: Path, rank: int, hosts: list[str], fixed_s: float, cap_s: float):
-        self.dir, self.rank, self.hosts = hangs_dir, rank, hosts
+    def __init__(self, hangs_dir: Path, rank: int, hosts: list[str], fixed_s: float, cap_s: float,
+                 channel: Channel | None, device: torch.device | None = None, first_step_compiles: bool = False):
+        self.dir, self.rank, self.hosts, self.channel = hangs_dir, rank, hosts, channel
         self.fixed, self.cap = fixed_s, cap_s
+        self.device = device if device is not None and device.type == "cuda" else None
         self.phase, self.step, self.since = "start", 0, time.monotonic()
+        self.device_mark = None  # on a GPU: a CUDA event recorded at the latest mark
         self.longest = 0.0  # the longest step so far (s)
+        self._uncounted = int(first_step_compiles)  # steps left out of `longest` (train.compile's first)
         self.samples = [0, 0]  # since the last busy_share(): [waiting, busy]
+        self.reporting = threading.Event()  # set once this rank takes part in a hang report
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="pretrain-watchdog", daemon=True)
         self._thread.start()
 
     def mark(self, phase: str, step: int) -> None:
         """This rank entered `phase` of step `step` (the 1-based step being trained)."""
+        if self.device is not None:
+            event = torch.cuda.Event()
+            event.record()
+            self.device_mark = event
         self.phase, self.step, self.since = phase, step, time.monotonic()
 
+    def progress(self) -> None:
+        """This rank made progress in its current phase (a batch of a long evaluation, say)."""
+        self.mark(self.phase, self.step)
+
     def step_took(self, seconds: float) -> None:
+        if self._uncounted:
+            self._uncounted -= 1
+            return
         self.longest = max(self.longest, seconds)
 
     def busy_share(self) -> float:
@@ -86,55 +157,154 @@ class Watchdog:
             t = FIRST_TIMEOUT_S
         else:
             t = max(MIN_TIMEOUT_S, STEP_MULTIPLE * self.longest)
-        return min(t, 0.9 * self.cap)
+        return max(1.0, min(t, 0.9 * self.cap, self.cap - HANG_EXIT_S))
+
+    def waiting(self) -> bool:
+        """Whether this rank waits for the others: on the host (its phase, or its main thread in a
+        collective), or on its GPU (the device has not reached the host's latest mark: its stream
+        is stalled behind a collective, while the host may block anywhere once the launch queue is
+        full). A rank hung on its host has a device that caught up."""
+        event = self.device_mark
+        return self.phase == WAITING or _in_collective() or (event is not None and not event.query())
 
     def close(self) -> None:
+        """Stop watching; a hang report in progress is finished first (it ends the process)."""
+        if self.reporting.is_set():
+            self._thread.join(timeout=HANG_EXIT_S + LOOK_S + 5)
         self._done.set()
         self._thread.join(timeout=5)
 
     def _watch(self) -> None:
+        if self.device is not None:  # (events are queried in this thread)
+            torch.cuda.set_device(self.device)
+        next_look = 0.0
         while not self._done.wait(POLL_S):
             self.samples[self.phase != WAITING and not _in_collective()] += 1
-            idle = time.monotonic() - self.since
+            now = time.monotonic()
+            idle = now - self.since
             if idle > self.timeout():
-                self._fire(idle)
+                self._report(idle, fired=True)
+            elif self.channel is not None and now >= next_look:
+                next_look = now + LOOK_S
+                try:
+                    asked = self.channel.asked()
+                except Exception:  # noqa: BLE001 - the store is gone: the rank that fires says so
+                    asked = False
+                if asked:
+                    self._report(idle, fired=False)
 
-    def _fire(self, idle: float) -> None:
-        phase, step = self.phase, self.step
+    def _report(self, idle: float, fired: bool) -> None:
+        """This rank's part of a hang report (module docstring); ends the process with EXIT_HANG."""
+        self.reporting.set()
+        try:
+            head = {"rank": self.rank, "host": self.hosts[self.rank], "phase": self.phase, "step": self.step,
+                    "idle_s": round(idle, 1), "waiting": self.waiting(), "fired": fired}
+            leader, unreachable = fired, None
+            try:
+                if fired:
+                    leader = self.channel.ask() if self.channel is not None else True
+                if self.channel is not None:
+                    self.channel.answer(self.rank, head)
+            except Exception as e:  # noqa: BLE001
+                unreachable = f"the rendezvous store did not answer ({_short(e)})"
+            stacks = _bounded(self._write_stacks, head)
+            if leader or unreachable:
+                self._give_verdict(head, idle, stacks, unreachable)
+            else:
+                self._await_verdict(head, idle, stacks)
+        except BaseException as e:  # noqa: BLE001 - the verdict and the exit must happen whatever failed
+            _say(f"pretrain: the hang report of rank {self.rank} failed ({_short(e)}); exiting with {EXIT_HANG}")
+        finally:
+            _bounded(logging.shutdown)  # (flushes the loggers; a handler's lock may be held by the main thread)
+            os._exit(EXIT_HANG)
+
+    def _give_verdict(self, head: dict, idle: float, stacks: str | None, unreachable: str | None) -> None:
+        answers, deadline = {self.rank: head}, time.monotonic() + REPORT_WAIT_S
+        while unreachable is None:
+            try:
+                answers = self.channel.answers(len(self.hosts)) or answers
+            except Exception as e:  # noqa: BLE001
+                unreachable = f"the rendezvous store did not answer ({_short(e)})"
+            if len(answers) == len(self.hosts) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        where = f"stacks in {self.dir}" if stacks is None else f"stacks not written ({stacks})"
+        line, named = verdict(answers, self.hosts, idle, where, unreachable)
+        _say(f"pretrain: {line}; exiting with {EXIT_HANG} (resume with checkpoint.resume=auto)")
+        _bounded(record_exit, EXIT_HANG, line, sorted({self.hosts[r] for r in named}))
+        if unreachable is None:
+            try:
+                self.channel.publish(line)
+            except Exception:  # noqa: BLE001 - the others end at their own deadline
+                pass
+
+    def _await_verdict(self, head: dict, idle: float, stacks: str | None) -> None:
+        """Wait for the asking rank's verdict; if it never comes (that rank is gone), give one."""
+        deadline = time.monotonic() + REPORT_WAIT_S + IO_TIMEOUT_S + STORE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                if self.channel.verdict() is not None:
+                    return
+            except Exception:  # noqa: BLE001
+                break
+            time.sleep(0.1)
+        self._give_verdict(head, idle, stacks, None)
+
+    def _write_stacks(self, head: dict) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / f"rank-{self.rank}.txt"
-        with open(path, "w") as f:
-            f.write(json.dumps({"rank": self.rank, "host": self.hosts[self.rank], "phase": phase, "step": step,
-                                "idle_s": round(idle, 1), "waiting": phase == WAITING or _in_collective()}) + "\n")
+        with open(self.dir / f"rank-{self.rank}.txt", "w") as f:
+            f.write(json.dumps(head) + "\n")
             f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
-        time.sleep(min(10.0, max(2.0, self.timeout() / 4)))  # the other ranks' watchdogs write theirs
-        seen = {}
-        for p in self.dir.glob("rank-*.txt"):
-            try:
-                head = json.loads(p.read_text().splitlines()[0])
-                seen[head["rank"]] = head
-            except (OSError, ValueError, IndexError, KeyError):
-                continue
-        if self.rank == min(seen, default=self.rank):
-            line, named = verdict(seen, self.hosts, idle, self.dir)
-            log.error("pretrain: %s; exiting with %d (resume with checkpoint.resume=auto)", line, EXIT_HANG)
-            record_exit(EXIT_HANG, line, sorted({self.hosts[r] for r in named}))
-        logging.shutdown()
-        os._exit(EXIT_HANG)
+
+
+def _bounded(fn, *args) -> str | None:
+    """Run `fn(*args)` for at most IO_TIMEOUT_S (a frozen file system blocks in open() forever):
+    None when it finished, else why not. Best effort: the caller goes on either way."""
+    failure = []
+
+    def call():
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001
+            failure.append(_short(e))
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(IO_TIMEOUT_S)
+    if thread.is_alive():
+        return f"no answer from the file system in {IO_TIMEOUT_S:g} s"
+    return failure[0] if failure else None
+
+
+def _short(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0][:200]
+
+
+def _say(line: str) -> None:
+    """One line to stderr, whatever stderr is (a closed or full pipe must not stop the exit)."""
+    _bounded(lambda: (sys.stderr.write(line + "\n"), sys.stderr.flush()))
 
 
 def record_exit(code: int, why: str = "", hosts: list[str] = ()) -> None:
     """Where slurm/pretrain.sbatch asks for it ($PRETRAIN_EXIT_FILE), how this start ended: its
-    restart loop restarts a hang (4) or a start that recorded nothing (a crash), not a user error,
-    and leaves out a node that `hosts` (the hosts a hang named) named twice."""
+    restart loop restarts a hang (4) or a start that recorded nothing or 1 (a crash), not a user
+    error, and leaves out a node that `hosts` (the hosts a hang named) named twice. A hang recorded
+    by the watchdog is never replaced: the other ranks' errors that follow it are its consequence.
+    (The loop removes the file before each start.)"""
     path = os.environ.get(EXIT_FILE)
     if not path:
         return
     try:
+        if code != EXIT_HANG and json.loads(Path(path).read_text()).get("code") == EXIT_HANG:
+            return
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path + ".tmp").write_text(json.dumps({"code": code, "why": why, "hosts": list(hosts)}) + "\n")
-        os.replace(path + ".tmp", path)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        Path(tmp).write_text(json.dumps({"code": code, "why": why, "hosts": list(hosts)}) + "\n")
+        os.replace(tmp, path)
     except OSError as e:
         log.error("pretrain: could not record the exit in %s: %s", path, e.strerror)
 
@@ -152,21 +322,25 @@ def _in_collective() -> bool:
     return False
 
 
-def verdict(seen: dict[int, dict], hosts: list[str], idle: float, where: Path) -> tuple[str, list[int]]:
-    """One line: which ranks hang, where; and those ranks. `seen`: rank -> the header it wrote."""
-    silent = [r for r in range(len(hosts)) if r not in seen]
-    busy = [r for r, h in sorted(seen.items()) if not h["waiting"]]
+def verdict(seen: dict[int, dict], hosts: list[str], idle: float, where: str,
+            unreachable: str | None = None) -> tuple[str, list[int]]:
+    """One line: which ranks hang, where; and those ranks. `seen`: rank -> the answer it gave."""
     step = max((h["step"] for h in seen.values()), default=0)
     name = lambda r: f"rank {r} (host {hosts[r]}" + (f", in {seen[r]['phase']} of step {seen[r]['step']})"  # noqa: E731
                                                      if r in seen else ")")
-    if silent:
+    silent = [r for r in range(len(hosts)) if r not in seen]
+    busy = [r for r, h in sorted(seen.items()) if not h["waiting"]]
+    if unreachable:
+        named, what = [], "; ".join(
+            f"{name(r)} made no progress ({'waiting for others' if h['waiting'] else 'not waiting'})"
+            for r, h in sorted(seen.items())) + f"; the other ranks could not be asked: {unreachable}"
+    elif silent:
         named, what = silent, f"{', '.join(map(name, silent))} did not answer (frozen, or gone)"
     elif busy:
         named, what = busy, f"{', '.join(map(name, busy))} made no progress while the others waited in a collective"
     else:
         named, what = [], "every rank waits in a collective: a communication hang (network, NCCL)"
-    return f"hang at step {step}: no progress for {idle:.0f} s; {what}; stacks in {where}", named
-
+    return f"hang at step {step}: no progress for {idle:.0f} s; {what}; {where}", named
 
 
 class ComputeClock:
@@ -234,6 +408,7 @@ class Stragglers:
 
     def __init__(self, hosts: list[str], warn: float):
         self.hosts, self.warn, self.streak = hosts, warn, 0
+        self.streak_rank = -1  # the rank the streak is of
 
     def __call__(self, times: list[tuple[float, float]]) -> dict:
         """`times`: every rank's (busy host seconds, compute seconds) in the window."""
@@ -245,7 +420,9 @@ class Stragglers:
             views[view] = (t[slowest] / median if median > 0 else 1.0, slowest)
         view = max(views, key=lambda v: views[v][0])
         ratio, slowest = views[view]
-        self.streak = self.streak + 1 if self.warn and ratio > self.warn else 0
+        slow = bool(self.warn) and ratio > self.warn
+        self.streak = self.streak + 1 if slow and slowest == self.streak_rank else int(slow)
+        self.streak_rank = slowest if slow else -1
         if self.streak == STRAGGLER_STREAK:
             log.warning("warning: rank %d (host %s) is a straggler: its %s time is %.2fx the median rank's for %d "
                         "log steps in a row (resilience.straggler_warn=%g); every rank waits for it", slowest,
@@ -290,3 +467,103 @@ class Spikes:
         self.norms.clear()
         self.losses.extend(state.get("losses", []))
         self.norms.extend(state.get("norms", []))
+
+
+class Rollbacks:
+    """The second rung after dropping spikes (PaLM): `rollback_after` spikes within
+    `rollback_window` steps bring the run back to its newest checkpoint before the first of them,
+    and the data from that step on is skipped (`rollback_skip_batches` global batches). Past
+    `max_rollbacks`, the run stops (exit 3).
+
+    Owns the ledger: step -> global batches to skip just before it (resilience.skip_batches, and
+    each rollback's), the steps of recent spikes, and the rollbacks so far. It is saved in every
+    checkpoint (through the trainer's state) and, when a rollback happens, at once in
+    RUN/rollbacks.json (durably), so that a run killed before its next checkpoint still skips that
+    data and still counts the rollback against max_rollbacks when it resumes."""
+
+    FILE = "rollbacks.json"
+
+    def __init__(self, cfg, run_dir: Path, run_id: str, is_main: bool, accum: int):
+        self.cfg, self.path, self.run_id, self.is_main, self.accum = cfg, run_dir / self.FILE, run_id, is_main, accum
+        self.data_skips = {int(step): int(n) for step, n in cfg.skip_batches}
+        self.recent_spikes: list[int] = []
+        self.rollbacks = 0
+        self._merge_durable()
+
+    def state_dict(self) -> dict:
+        return {"data_skips": {str(k): v for k, v in self.data_skips.items()}, "recent_spikes": self.recent_spikes,
+                "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Merged with what this object knows (the ledger of a run only grows: a rollback restores
+        a checkpoint older than its own decision) and with RUN/rollbacks.json."""
+        self.data_skips.update({int(k): v for k, v in state.get("data_skips", {}).items()})
+        self.recent_spikes = list(state.get("recent_spikes", []))
+        self.rollbacks = max(self.rollbacks, state.get("rollbacks", 0))
+        self._merge_durable()
+
+    def _merge_durable(self) -> None:
+        """What RUN/rollbacks.json adds: rollbacks this run made after the checkpoint was saved."""
+        try:
+            ledger = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return
+        if ledger.get("run_id") == self.run_id:
+            self.data_skips.update({int(k): int(v) for k, v in ledger["data_skips"].items()})
+            self.rollbacks = max(self.rollbacks, int(ledger["rollbacks"]))
+
+    def pinned(self, step: int) -> int | None:
+        """While spikes are recent, the first of them: checkpoint rotation keeps the newest
+        checkpoint before it (the one a rollback would need)."""
+        if not self.cfg.rollback_after:
+            return None
+        recent = [s for s in self.recent_spikes if s > step - self.cfg.rollback_window]
+        return recent[0] if recent else None
+
+    def spiked(self, step: int, ckpt) -> Path | None:
+        """Step `step` was a spike: None, or, when a rollback is due, the checkpoint to go back to,
+        with the later checkpoints set aside and the ledger written (collective). Raises
+        NonFiniteStep past max_rollbacks, or when no checkpoint before the spikes exists."""
+        from pretrain.checkpoint import complete_checkpoints, read_meta
+
+        r = self.cfg
+        self.recent_spikes = [s for s in self.recent_spikes if s > step - r.rollback_window] + [step]
+        if not r.rollback_after or len(self.recent_spikes) < r.rollback_after:
+            return None
+        first, spikes = self.recent_spikes[0], f"{len(self.recent_spikes)} spikes in steps {self.recent_spikes[0]}-{step}"
+        if self.rollbacks >= r.max_rollbacks:
+            raise NonFiniteStep(f"{spikes} after {self.rollbacks} rollbacks (resilience.max_rollbacks): the run is "
+                                "diverging; lower optimizer.lr, then resume with checkpoint.resume=auto")
+        ckpt.wait()
+        before = [p for p in complete_checkpoints(ckpt.root) if read_meta(p)["step"] < first]
+        if not before:
+            c = ckpt.cfg
+            why = (f"checkpoint rotation (checkpoint.keep_last={c.keep_last}) removed the ones before them: raise "
+                   "checkpoint.keep_last" if c.every and c.every < first else
+                   f"set checkpoint.every below {first}")
+            raise NonFiniteStep(f"{spikes} and no checkpoint before them to roll back to: {why}, or lower "
+                                "optimizer.lr")
+        path = before[-1]
+        self.rollbacks += 1
+        self.data_skips[first] = r.rollback_skip_batches
+        ckpt.set_aside_after(path, self.rollbacks)
+        if self.is_main:
+            from pretrain.rundir import write_atomic
+
+            write_atomic(self.path, json.dumps({"run_id": self.run_id, "rollbacks": self.rollbacks,
+                                                "data_skips": {str(k): v for k, v in self.data_skips.items()}}))
+        log.warning("warning: %s: rolling back to %s and skipping %d batches of data before step %d (rollback %d of "
+                    "at most %d)", spikes, path.name, r.rollback_skip_batches, first, self.rollbacks, r.max_rollbacks)
+        return path
+
+    def skip(self, data_iter, step: int, progress) -> None:
+        """Before step `step`: draw and drop the global batches the ledger says (each rank its
+        share), calling `progress()` as it goes (a long skip is not a hang)."""
+        batches = self.data_skips.get(step, 0)
+        for i in range(batches * self.accum):
+            next(data_iter)
+            if i % 64 == 0:
+                progress()
+        if batches:
+            log.warning("warning: step %d: skipped %d batches of data (resilience: a rollback's or skip_batches)",
+                        step, batches)

@@ -88,29 +88,41 @@ class _TqdmHandler(logging.Handler):
 
 def run(config_path: str, overrides: list[str], stop: StopSignal) -> int:
     """Train; returns the exit code for a stop by signal (75) or success (0), raises UserError
-    subclasses for user mistakes (the CLI prints them)."""
-    setup_logging(int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))))
-    from pretrain.config import load_config
-
-    cfg = load_config(config_path, overrides)
-    from pretrain import faults
-
-    faults.from_env()  # a bad PRETRAIN_FAULT is one line before anything starts
-    if stop.received:
-        log.info("pretrain: %s; exiting with %d", StoppedAtStartup(stop.received), EXIT_PREEMPTED)
-        return EXIT_PREEMPTED
-    import warnings
-
-    from pretrain import distributed
-
-    # torch.distributed warns at every ZeRO-3 collective that DeepSpeed still calls by its old name.
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    env = distributed.init(cfg.distributed.backend, cfg.distributed.timeout_s)
-    setup_logging(env.rank)
+    subclasses for user mistakes (the CLI prints them). Rank 0 records how the start ended for
+    slurm/pretrain.sbatch, from the first line on: a bad PRETRAIN_FAULT is a user error, not a crash
+    to restart."""
+    is_main = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0
+    setup_logging(0 if is_main else 1)
     code, why = 1, "an error"
     try:
-        cfg.validate(env.world_size)
-        summary = _train(cfg, env, stop)
+        from pretrain.config import load_config
+
+        cfg = load_config(config_path, overrides)
+        from pretrain import faults
+
+        faults.from_env()  # a bad PRETRAIN_FAULT is one line before anything starts
+        if stop.received:  # before the process group: each rank alone (Slurm signals every one)
+            _requeue_if_slurm(is_main, stop.received)
+            raise StoppedAtStartup(stop.received)
+        import warnings
+
+        from pretrain import distributed
+
+        # torch.distributed warns at every ZeRO-3 collective that DeepSpeed still calls by its old name.
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+        env = distributed.init(cfg.distributed.backend, cfg.distributed.timeout_s)
+        setup_logging(env.rank)
+        try:
+            cfg.validate(env.world_size)
+            faults.from_env(env.world_size)
+            summary = _train(cfg, env, stop)
+        except StoppedAtStartup as e:  # every rank alike: the start-up checks are collective
+            distributed.barrier()
+            _requeue_if_slurm(env.is_main, e.signum)
+            distributed.barrier()  # (no rank exits before the requeue: an early exit makes torchrun kill rank 0)
+            raise
+        finally:
+            distributed.shutdown()
         code, why = (EXIT_PREEMPTED, "stopped by a signal") if summary is None else (0, "done")
     except StoppedAtStartup as e:
         log.info("pretrain: %s; exiting with %d", e, EXIT_PREEMPTED)
@@ -120,8 +132,7 @@ def run(config_path: str, overrides: list[str], stop: StopSignal) -> int:
         code, why = e.exit_code, str(e)
         raise
     finally:
-        distributed.shutdown()
-        if env.is_main:
+        if is_main:
             from pretrain.resilience import record_exit
 
             record_exit(code, why)
@@ -184,11 +195,8 @@ def _train(cfg, env, stop: StopSignal):
         distributed.agree(ckpt.check_data, start, loader)
         check_stop()
         precision = resolve_precision(cfg, env.device)
-        load_optimizer = start.kind == "resume" or (start.kind == "finetune" and cfg.checkpoint.init_load_optimizer)
         weights_only = start.path if start.kind == "finetune" and not cfg.checkpoint.init_load_optimizer else None
-        engine, ds_config = build.engine(cfg, model_args, env, precision,
-                                         universal=load_optimizer and start.universal(env.world_size),
-                                         init_weights_from=weights_only)
+        engine, ds_config = build.engine(cfg, model_args, env, precision, init_weights_from=weights_only)
         n_total, n_non_emb = num_params(model_args), num_params(model_args, non_embedding=True)
         fpt = flops_per_token(model_args, cfg.data.seq_len)
         scaling = {"n_params": n_total, "n_params_non_embedding": n_non_emb, "n_params_matmul": matmul_params(model_args),
@@ -222,7 +230,7 @@ def _train(cfg, env, stop: StopSignal):
             logger.close()
             logger = MetricLogger()
             distributed.barrier()
-            _requeue_if_slurm(env, e.signum)
+            _requeue_if_slurm(env.is_main, e.signum)
             distributed.barrier()
             return None
     finally:
@@ -254,13 +262,13 @@ def _provenance() -> dict:
     return {"pretrain_version": ver, "git_commit": commit, "created": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def _requeue_if_slurm(env, signum: int) -> None:
+def _requeue_if_slurm(is_main: bool, signum: int) -> None:
     """Under slurm/pretrain.sbatch (PRETRAIN_REQUEUE=1), SIGUSR1 (the time-limit/preemption warning
     asked for with --signal) puts the job back in the queue; the rerun resumes from the checkpoint
     just saved. SIGTERM (scancel, or the end of the time limit) only saves: a cancelled job stays
     cancelled."""
     job = os.environ.get("SLURM_JOB_ID")
-    if env.is_main and job and signum == signal.SIGUSR1 and os.environ.get("PRETRAIN_REQUEUE") == "1":
+    if is_main and job and signum == signal.SIGUSR1 and os.environ.get("PRETRAIN_REQUEUE") == "1":
         result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
         # The requeue itself signals every process of the job, scontrol included: -SIGTERM is success.
         ok = result.returncode in (0, -signal.SIGTERM)

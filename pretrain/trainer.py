@@ -18,23 +18,13 @@ import torch
 
 import data_pipeline as dp
 from pretrain import distributed, faults
-from pretrain.errors import UserError
+from pretrain.errors import NonFiniteStep
 from pretrain.metrics import MetricLogger, memory_stats, peak_flops
 from pretrain.optim import set_lr
 from pretrain.parallelize import trainer_clips
-from pretrain.resilience import Spikes
+from pretrain.resilience import Rollbacks, Spikes
 
 log = logging.getLogger(__name__)
-
-EXIT_NONFINITE = 3
-
-
-class NonFiniteStep(UserError):
-    """A non-finite loss or gradient norm with train.on_nonfinite=stop (or too many in a row with
-    skip); raised before the update, on every rank alike."""
-
-    exit_code = EXIT_NONFINITE
-    collective = True
 
 
 class StopRequested(Exception):
@@ -77,15 +67,13 @@ class Trainer:
         self._grad_nonfinite = False  # the update was dropped for a non-finite gradient norm
         self._stats = self._host_stats = None  # this step's reduced losses: on the device, and once read
         self.faults = faults.Injector(faults.from_env(), env.rank, ckpt.run.path)  # PRETRAIN_FAULT (docs/reliability.md)
-        ckpt.after_write = self.faults.at_save_written
         self.watchdog = self.stragglers = self.compute_clock = None  # pretrain/resilience.py, while fit() runs
         r = cfg.resilience
         self.spikes = Spikes(r.spike_sigma, r.spike_window, r.spike_warmup)
-        # The rollback ledger: step -> global batches skipped just before it (resilience.skip_batches,
-        # and each rollback's); the steps of recent spikes; rollbacks so far. Saved in checkpoints.
-        self.data_skips = {int(step): int(n) for step, n in r.skip_batches}
-        self.recent_spikes: list[int] = []
-        self.rollbacks = 0
+        self.rollbacks = Rollbacks(r, ckpt.run.path, ckpt.run.run_id, env.is_main, self.accum)
+        ckpt.after_write = self.faults.at_save_written
+        ckpt.progress = self._progress
+        ckpt.pinned = lambda: self.rollbacks.pinned(self.step)
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # torch AdamW inside ZeRO
         inner.step = self._guarded(inner.step, inner)
 
@@ -93,17 +81,14 @@ class Trainer:
     def state_dict(self) -> dict:
         return {"step": self.step, "skipped": self.skipped, "branches": self.branches,
                 "loss_scale_skips": self.loss_scale_skips, "spike_skips": self.spike_skips,
-                "spikes": self.spikes.state_dict(), "data_skips": {str(k): v for k, v in self.data_skips.items()},
-                "recent_spikes": self.recent_spikes, "rollbacks": self.rollbacks}
+                "spikes": self.spikes.state_dict(), **self.rollbacks.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.skipped = state["step"], state.get("skipped", 0)
         self.loss_scale_skips = state.get("loss_scale_skips", 0)
         self.spike_skips = state.get("spike_skips", 0)
         self.spikes.load_state_dict(state.get("spikes", {}))
-        self.data_skips.update({int(k): v for k, v in state.get("data_skips", {}).items()})
-        self.recent_spikes = list(state.get("recent_spikes", []))
-        self.rollbacks = state.get("rollbacks", 0)
+        self.rollbacks.load_state_dict(state)
         self.branches = dict(state.get("branches", {}))
         self.saved_step = self.step
 
@@ -156,6 +141,11 @@ class Trainer:
         """This rank enters `phase` of the step being trained (the watchdog names it if it hangs)."""
         if self.watchdog is not None:
             self.watchdog.mark(phase, self.step + 1)
+
+    def _progress(self) -> None:
+        """This rank made progress in its current phase (a long one: eval, a data skip, a conversion)."""
+        if self.watchdog is not None:
+            self.watchdog.progress()
 
     def _next_batch(self):
         self._mark("data")
@@ -268,6 +258,7 @@ class Trainer:
         if self.val_batches:
             sums = torch.zeros(2, device=self.env.device, dtype=torch.float64)
             for batch in self.val_batches:
+                self._progress()
                 inputs, labels = batch["input_ids"].to(self.env.device), batch["labels"].to(self.env.device)
                 sums[0] += self.engine(inputs, labels, loss_chunk=self.cfg.train.loss_chunk_tokens) * labels.numel()
                 sums[1] += labels.numel()
@@ -276,7 +267,12 @@ class Trainer:
             out = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
         if self.tasks is not None:  # the engine's forward without labels gives logits
             t0 = time.perf_counter()
-            results = self.tasks(self.engine, self.env.device, self.env.rank, self.env.world_size,
+
+            def logits(tokens):
+                self._progress()
+                return self.engine(tokens)
+
+            results = self.tasks(logits, self.env.device, self.env.rank, self.env.world_size,
                                  distributed.all_gather_objects)
             out.update({f"eval/{task}/{k}": v for task, r in results.items() for k, v in r["metrics"].items()})
             out["eval/tasks_s"] = time.perf_counter() - t0
@@ -314,7 +310,7 @@ class Trainer:
         hang reports (collective)."""
         import socket
 
-        from pretrain.resilience import ComputeClock, Stragglers, Watchdog
+        from pretrain.resilience import STORE_TIMEOUT_S, Channel, ComputeClock, Stragglers, Watchdog
 
         # Slurm's name for the node where there is one: the name slurm/pretrain.sbatch leaves out.
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -323,8 +319,11 @@ class Trainer:
         self.stragglers = Stragglers(hosts, r.straggler_warn)
         self.compute_clock = ComputeClock(self.engine.module, self.env.device, self.engine.zero_optimization_stage())
         self.faults.attach(self.engine.module)  # (after the clock: a slowcompute fault sleeps inside its marks)
-        return Watchdog(self.ckpt.run.path / "hangs" / names[0][1], self.env.rank, hosts, r.hang_timeout_s,
-                        self.cfg.distributed.timeout_s)
+        start = names[0][1]  # this start's name: its hang reports' folder and store keys
+        store = distributed.side_store(f"pretrain/hangs/{start}/", STORE_TIMEOUT_S)
+        return Watchdog(self.ckpt.run.path / "hangs" / start, self.env.rank, hosts, r.hang_timeout_s,
+                        self.cfg.distributed.timeout_s, Channel(store) if store is not None else None,
+                        self.env.device, first_step_compiles=self.cfg.train.compile)
 
     def _fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
@@ -342,14 +341,18 @@ class Trainer:
                     self._branch(branches.pop(self.step))
                     window_start += time.perf_counter() - branch_start
                     self.timers = timers
-                if self.data_skips.get(self.step + 1):
-                    self._skip_data(self.data_skips[self.step + 1])
+                self.rollbacks.skip(self.data_iter, self.step + 1, self._progress)
                 step_start = time.perf_counter()
                 loss = self.train_step()
                 self.watchdog.step_took(time.perf_counter() - step_start)
-                if self._spike and self._roll_back_if_due():
-                    window_start, window_steps, losses = time.perf_counter(), 0, []
-                    continue
+                if self._spike:
+                    target = self.rollbacks.spiked(self.step, self.ckpt)
+                    if target is not None:
+                        self._go_back_to(target, keep=("spike_skips",))
+                        self.rollbacks.recent_spikes = []
+                        self.logger.log({"train/rollbacks": self.rollbacks.rollbacks}, self.step)
+                        window_start, window_steps, losses = time.perf_counter(), 0, []
+                        continue
                 if self.cfg.train.compile and first_loss is None:
                     from torch._dynamo.utils import counters
 
@@ -398,57 +401,18 @@ class Trainer:
         self.save(wait=True)
         return summary
 
-    def _skip_data(self, batches: int) -> None:
-        """Draw and drop `batches` global batches (each rank its share), as a rollback decided."""
-        self._mark("data")
-        for _ in range(batches * self.accum):
-            next(self.data_iter)
-        log.warning("warning: step %d: skipped %d batches of data (resilience: a rollback's or skip_batches)",
-                    self.step + 1, batches)
+    def _go_back_to(self, path, keep=()) -> None:
+        """Restore the run to the checkpoint `path` (a decay branch's start, a rollback's target),
+        keeping the attributes named in `keep`; the data restarts from its restored position."""
+        from pretrain.checkpoint import Start, read_meta
 
-    def _roll_back_if_due(self) -> bool:
-        """The second rung after dropping spikes (PaLM): `rollback_after` spikes within
-        `rollback_window` steps bring the run back to its newest checkpoint before the first of them,
-        and the data from that step on is skipped (`rollback_skip_batches`), as recorded in the
-        ledger. Checkpoints after it are of the abandoned timeline: moved to RUN/rolled_back/ (kept,
-        not resumed from). Past `max_rollbacks`, the run stops (exit 3)."""
-        from pretrain.checkpoint import Start, complete_checkpoints, read_meta, write_atomic
-
-        r = self.cfg.resilience
-        self.recent_spikes = [s for s in self.recent_spikes if s > self.step - r.rollback_window] + [self.step]
-        if not r.rollback_after or len(self.recent_spikes) < r.rollback_after:
-            return False
-        first = self.recent_spikes[0]
-        if self.rollbacks >= r.max_rollbacks:
-            raise NonFiniteStep(f"{len(self.recent_spikes)} spikes in steps {first}-{self.step} after "
-                                f"{self.rollbacks} rollbacks (resilience.max_rollbacks): the run is diverging; "
-                                "lower optimizer.lr, then resume with checkpoint.resume=auto")
-        self.ckpt.wait()
-        before = [p for p in complete_checkpoints(self.ckpt.root) if read_meta(p)["step"] < first]
-        if not before:
-            raise NonFiniteStep(f"{len(self.recent_spikes)} spikes in steps {first}-{self.step} and no checkpoint "
-                                "before them to roll back to: set checkpoint.every, or lower optimizer.lr")
-        path, ledger = before[-1], {**self.data_skips, first: r.rollback_skip_batches}
-        rollbacks, spikes = self.rollbacks + 1, self.spike_skips
-        log.warning("warning: %d spikes in steps %d-%d: rolling back to %s and skipping %d batches of data "
-                    "before step %d (rollback %d of at most %d)", len(self.recent_spikes), first, self.step,
-                    path.name, r.rollback_skip_batches, first, rollbacks, r.max_rollbacks)
-        distributed.barrier()  # every rank has read the checkpoints before rank 0 moves the later ones
-        if self.env.is_main:
-            aside = self.ckpt.run.path / "rolled_back"
-            for later in complete_checkpoints(self.ckpt.root):
-                if read_meta(later)["step"] > read_meta(path)["step"]:
-                    aside.mkdir(exist_ok=True)
-                    later.rename(aside / f"{later.name}.{rollbacks}")
-            write_atomic(self.ckpt.root / "latest", path.name)
-        distributed.barrier()
-        self.data_iter = None
+        kept = {name: getattr(self, name) for name in keep}
+        self.data_iter = None  # its workers stop; the restored position gets a fresh iterator
         self._mark("branch")
-        self.ckpt.restore(Start("resume", self.ckpt.run.run_id, path, read_meta(path), read_meta(path)["step"]))
-        self.data_skips, self.rollbacks, self.spike_skips, self.recent_spikes = ledger, rollbacks, spikes, []
+        meta = read_meta(path)
+        self.ckpt.restore(Start("resume", self.ckpt.run.run_id, path, meta, meta["step"]))
+        self.__dict__.update(kept)
         self.data_iter = iter(self.loader)
-        self.logger.log({"train/rollbacks": rollbacks}, self.step)
-        return True
 
     def _branch(self, end: int) -> None:
         """WSD-S: from this step of the stable phase, decay to `end` on a branch, evaluate, then bring
@@ -456,7 +420,7 @@ class Trainer:
         branch is what a run of `end` steps with a WSD schedule would be: its eval loss is a point at
         end x tokens-per-step tokens. A stop signal during a branch stops the run; the resume from
         this step's checkpoint runs the branch again."""
-        from pretrain.checkpoint import Start, read_meta, step_dir_name
+        from pretrain.checkpoint import step_dir_name
 
         start = self.step
         self.save(wait=True)
@@ -480,11 +444,8 @@ class Trainer:
                 result.update({"branch/" + k.removeprefix("eval/"): v for k, v in ev.items() if k.count("/") == 2})
         finally:
             self.decay_end = None
-        self.data_iter = None  # its workers stop; the restored position gets a fresh iterator
-        self._mark("branch")
-        self.ckpt.restore(Start("resume", self.ckpt.run.run_id, path, read_meta(path), start))
+        self._go_back_to(path)
         self.branches[str(end)] = result
-        self.data_iter = iter(self.loader)
         self.logger.log(result, start)
         log.info("step %6d | decay branch to step %d: train loss %.4f%s", start, end, result["branch/train_loss"],
                  f", eval loss {result['branch/eval_loss']:.4f}" if "branch/eval_loss" in result else "")

@@ -33,9 +33,18 @@ else
     HEAD_NODE=$(hostname)
 fi
 RDZV_ID=${SLURM_JOB_ID:-local}
-# A port per job: two jobs sharing a node must never join each other's store (a fixed 29500 does).
-# 15000-29999 stays below Linux's ephemeral range (32768+), where a busy node's own connections live.
-RDZV_PORT=${RDZV_PORT:-$(( 15000 + ${SLURM_JOB_ID:-0} % 15000 ))}
+# A port per job and start: two jobs sharing a node must never join each other's store (a fixed
+# 29500 does), and a restart inside the allocation gets a fresh store on the next port. So each job
+# owns a block of RDZV_PORTS_PER_JOB ports (its first start, then up to 15 restarts): "job id +
+# restart" would be the next job's own port, and a store that cannot bind its port becomes a client
+# of the store already there, dying with that other job. 15000-29999 stays below Linux's ephemeral
+# range (32768+), where a busy node's own connections live. (pretrain/distributed.py uses the same
+# rule for a bare srun.)
+RDZV_PORTS_PER_JOB=16
+RDZV_PORT=${RDZV_PORT:-$(( 15000 + ${SLURM_JOB_ID:-0} % (15000 / RDZV_PORTS_PER_JOB) * RDZV_PORTS_PER_JOB ))}
+rdzv_port() {  # the rendezvous port of restart $1 (0: the first start)
+    echo $(( RDZV_PORT + $1 ))
+}
 
 # --- Slurm -------------------------------------------------------------------------------------
 # srun does not inherit sbatch's --cpus-per-task since Slurm 22.05; without this a step gets one

@@ -358,17 +358,23 @@ def test_a_file_system_without_locks_warns_and_goes_on(tmp_path, monkeypatch, ca
     open_checkpoint(run.checkpoints / "step_00000001")
 
 
-def test_the_universal_cache_is_removed_by_the_next_save(tmp_path):
-    """A resume at another world size converts its checkpoint into checkpoints/.universal/ (cached for
-    that start); the next save, once complete, removes the cache with other leftovers."""
-    run, ckpt, _, trainer = manager(tmp_path / "run", keep_last=5)
-    cache = run.checkpoints / ".universal" / "step_00000004"
-    cache.mkdir(parents=True)
-    (cache / "done").write_text("ok")
-    (cache / "zero" / "w").mkdir(parents=True)
-    (cache / "zero" / "w" / "fp32.pt").write_bytes(b"x" * 100)
-    trainer.step = 5
-    ckpt.save(5)
+def test_a_universal_conversion_is_kept_while_its_checkpoint_is(tmp_path):
+    """A resume at another world size converts its checkpoint into checkpoints/.universal/ (cached:
+    a rollback or a decay branch may go back to it); a save removes the conversions of checkpoints
+    that are gone (rotated away), with the other leftovers, and keeps the others."""
+    run, ckpt, _, trainer = manager(tmp_path / "run", keep_last=2)
+    for step in (1, 2):
+        trainer.step = step
+        ckpt.save(step)
+        ckpt.wait()
+    for name in ("step_00000001", "step_00000002"):
+        cache = run.checkpoints / ".universal" / name
+        (cache / "zero" / "w").mkdir(parents=True)
+        (cache / "zero" / "w" / "fp32.pt").write_bytes(b"x" * 100)
+        (cache / "done").write_text("ok")
+    trainer.step = 3
+    ckpt.save(3)  # rotation removes step 1, and its conversion
     ckpt.wait()
-    assert not (run.checkpoints / ".universal").exists()
-    assert sorted(p.name for p in run.checkpoints.iterdir() if p.is_dir()) == ["step_00000005"]
+    assert sorted(p.name for p in (run.checkpoints / ".universal").iterdir()) == ["step_00000002"]
+    assert sorted(p.name for p in run.checkpoints.iterdir() if p.is_dir() and not p.name.startswith(".")) == [
+        "step_00000002", "step_00000003"]

@@ -4,6 +4,9 @@ with every rank's stacks written; the resume after a hang or a crash equals a ru
 bitwise; bad fault specs are one line."""
 
 import json
+import os
+import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -13,16 +16,30 @@ import time
 import pytest
 
 from helpers import REPO, TINY, free_port, losses, read_metrics, run_train, train_env
-from pretrain.errors import ConfigError
-from pretrain.faults import parse
+from pretrain.errors import ConfigError, NonFiniteStep
+from pretrain.faults import Injector, parse
 
 BASE = ["data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", "logging.log_every=1",
         "logging.wandb=disabled", "schedule.warmup_steps=2", "distributed.zero_stage=3",
         "distributed.param_persistence_threshold=0", "train.max_steps=8", "checkpoint.every=2"]
 TIMEOUT = 8  # resilience.hang_timeout_s in these tests
-# After the timeout: the watchdog's wait for the other ranks' reports (at most 10 s) and torchrun's
+# After the timeout: the watchdog's wait for the other ranks' answers (at most 10 s) and torchrun's
 # SIGTERM-then-SIGKILL of the ranks left (30 s), and the launcher's own exit.
 MARGIN = 10 + 30 + 15
+USER_PATH = ["train.precision=bf16", "train.activation_checkpointing=1"]  # (ZeRO-3: BASE)
+SPIKY = BASE + ["train.max_steps=16", "resilience.spike_warmup=8", "resilience.spike_window=16",
+                "distributed.zero_stage=0", "checkpoint.every=10", "train.on_nonfinite=skip"]
+ROLLBACK = SPIKY + ["train.max_steps=24", "resilience.rollback_after=3", "resilience.rollback_window=5",
+                    "resilience.rollback_skip_batches=4", "checkpoint.every=6"]
+SPIKES = {"PRETRAIN_FAULT": "spike@step=12;spike@step=13;spike@step=14"}
+
+
+@pytest.fixture(scope="module")
+def told(tmp_path_factory):
+    """The rollback's run without spikes, told from the start to skip 4 batches before step 12."""
+    run = tmp_path_factory.mktemp("told")
+    run_train(ROLLBACK + ["resilience.skip_batches=[[12,4]]", f"train.run_dir={run}"])
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +50,11 @@ def straight(tmp_path_factory):
     return run
 
 
-def _start(run_dir, fault="", extra=()):
+def _start(run_dir, fault="", extra=(), env=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "pretrain", "train", str(TINY), "logging.progress=false", *BASE,
            f"resilience.hang_timeout_s={TIMEOUT}", f"train.run_dir={run_dir}", *extra]
-    return subprocess.Popen(cmd, cwd=REPO, env=train_env({"PRETRAIN_FAULT": fault} if fault else {}),
+    return subprocess.Popen(cmd, cwd=REPO, env=train_env({**({"PRETRAIN_FAULT": fault} if fault else {}), **(env or {})}),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -151,10 +168,6 @@ def test_a_slow_device_is_found_by_its_compute_time(tmp_path, stage):
         assert r["perf/straggler_ratio_compute"] > 1.3  # (0.3 s against ~0.1 s of forward: ~1.5)
 
 
-SPIKY = BASE + ["train.max_steps=16", "resilience.spike_warmup=8", "resilience.spike_window=16",
-                "distributed.zero_stage=0", "checkpoint.every=10", "train.on_nonfinite=skip"]
-
-
 @pytest.mark.slow
 def test_a_spike_is_skipped_and_the_resume_decides_the_same(tmp_path):
     """spike@step=12 (loss and gradients x 1000) after 8 steps of history: the update is dropped and
@@ -188,7 +201,7 @@ def _weights(run_dir, step):
 
 
 @pytest.mark.slow
-def test_spikes_in_a_row_roll_back_and_skip_their_data(tmp_path):
+def test_spikes_in_a_row_roll_back_and_skip_their_data(tmp_path, told):
     """Spikes at steps 12, 13 and 14 (3 within 5 steps): the run rolls back to its newest
     checkpoint before step 12 (step 6; step 12's, of the abandoned timeline, is moved aside) and skips
     4 batches before step 12. Its losses and final weights equal, bitwise, those of a run told from
@@ -198,14 +211,10 @@ def test_spikes_in_a_row_roll_back_and_skip_their_data(tmp_path):
 
     import torch
 
-    rollback = SPIKY + ["train.max_steps=24", "resilience.rollback_after=3", "resilience.rollback_window=5",
-                        "resilience.rollback_skip_batches=4", "checkpoint.every=6"]
-    rolled, told = tmp_path / "rolled", tmp_path / "told"
-    proc = run_train(rollback + [f"train.run_dir={rolled}"],
-                     env={"PRETRAIN_FAULT": "spike@step=12;spike@step=13;spike@step=14"})
+    rolled = tmp_path / "rolled"
+    proc = run_train(ROLLBACK + [f"train.run_dir={rolled}"], env=SPIKES)
     assert "warning: 3 spikes in steps 12-14: rolling back to step_00000006 and skipping 4 batches" in proc.stdout
     assert (rolled / "rolled_back" / "step_00000012.1" / "manifest.json").is_file()
-    run_train(rollback + ["resilience.skip_batches=[[12,4]]", f"train.run_dir={told}"])
     assert losses(rolled) == losses(told)
     a, b = _weights(rolled, 24), _weights(told, 24)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -213,7 +222,7 @@ def test_spikes_in_a_row_roll_back_and_skip_their_data(tmp_path):
     resumed = tmp_path / "resumed"
     shutil.copytree(rolled, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000024")
-    run_train(rollback + ["checkpoint.resume=auto", f"train.run_dir={resumed}"])
+    run_train(ROLLBACK + ["checkpoint.resume=auto", f"train.run_dir={resumed}"])
     c = _weights(resumed, 24)
     assert all(torch.equal(a[k], c[k]) for k in a)
 
@@ -240,10 +249,16 @@ def test_a_nan_fault_stops_the_run_at_its_step(tmp_path):
     ("hang@rank=1,step=0", "step must be >= 1"),
     ("hang@step=2,when=3", "hang takes rank, step as key=value, not 'when=3'"),
     ("signal@step=3", "signal needs signum"),
-    ("signal@step=3,signum=999", "signum=999 is not a signal number"),
+    ("signal@step=3,signum=999", "signum=999 is not a signal the run handles: give 2 (SIGINT), 10 (SIGUSR1), "
+                                 "15 (SIGTERM)"),
+    ("signal@step=3,signum=19", "signum=19 is not a signal the run handles"),  # SIGSTOP would stop the group
+    ("spike@step=3,factor=nan", "factor='nan' must be a finite number"),
+    ("spike@step=3,factor=inf", "factor='inf' must be a finite number"),
+    ("slow@seconds=inf", "seconds='inf' must be a finite number"),
+    ("slow@seconds=nan", "seconds='nan' must be a finite number"),
 ])
 def test_a_bad_fault_spec_is_one_line(spec, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         parse(spec)
 
 
@@ -264,3 +279,303 @@ def test_a_bad_fault_is_refused_before_training(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "pretrain: error: PRETRAIN_FAULT='hang@rank=1': hang needs step"]
     assert not (tmp_path / "r").exists()
+
+
+# ------------------------------------------------------------------ the hang report's protocol
+
+@pytest.mark.slow
+def test_a_hang_names_the_hung_rank_even_when_the_others_fire_later(tmp_path):
+    """With 128 micro-batches a step (ZeRO-0), the healthy rank keeps making progress through its
+    micro-batches long after rank 1 hung at its first, so rank 1's timer fires first and rank 0's
+    has not: rank 0 still answers the request (it waits in the collective) and is not named. Every
+    rank writes its stacks, every rank exits 4, and the exit record says 4, not the 1 of the
+    connection errors that follow the hung rank's exit."""
+    exit_file = tmp_path / "exit.json"
+    proc = _start(tmp_path / "run", "hang@rank=1,step=2", extra=[
+        "train.global_batch_size=1024", "distributed.zero_stage=0", "train.max_steps=3", "train.eval_every=0"],
+        env={"PRETRAIN_EXIT_FILE": str(exit_file)})
+    out, _ = proc.communicate(timeout=TIMEOUT + MARGIN + 120)
+    assert out.count("exitcode  : 4") == 2, out[-4000:]
+    line = _hang_report(out)
+    host = socket.gethostname()
+    assert f"rank 1 (host {host}, in forward/backward of step 2) made no progress while the others waited" in line
+    assert "rank 0" not in line
+    stacks = _stacks(tmp_path / "run")
+    assert set(stacks) == {0, 1}
+    assert json.loads(stacks[0][0])["waiting"] and not json.loads(stacks[1][0])["waiting"]
+    record = json.loads(exit_file.read_text())
+    assert record["code"] == 4 and record["hosts"] == [host] and record["why"] in line
+
+
+@pytest.mark.slow
+def test_a_hang_report_needs_no_file_system(tmp_path):
+    """RUN/hangs is a file (as a full disk or a lost mount would refuse it): the stacks cannot be
+    written, yet the verdict comes, on stderr, naming rank 1, and every rank exits 4 within the
+    timeout and the margin (not at the collective timeout). The user's path: bf16, ZeRO-3,
+    activation checkpointing."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "hangs").touch()
+    start = time.time()
+    proc = _start(run, "hang@rank=1,step=3", extra=USER_PATH, env={"PRETRAIN_EXIT_FILE": str(tmp_path / "exit.json")})
+    out, _ = proc.communicate(timeout=TIMEOUT + MARGIN + 120)
+    assert time.time() - start < 60 + TIMEOUT + MARGIN
+    assert out.count("exitcode  : 4") == 2, out[-4000:]
+    line = _hang_report(out)
+    assert f"rank 1 (host {socket.gethostname()}, in forward/backward of step 3) made no progress" in line
+    assert "stacks not written (NotADirectoryError" in line
+    assert json.loads((tmp_path / "exit.json").read_text())["code"] == 4
+
+
+def test_a_rank_waits_when_its_device_has_not_reached_its_last_mark(tmp_path):
+    """On a GPU a healthy rank's host can block inside the forward (the launch queue full behind a
+    collective that waits for the hung peer), with no distributed frame on its stack: the watchdog
+    asks the device (an event recorded at the latest mark). A device that caught up is not waiting."""
+    from pretrain.resilience import Watchdog
+
+    class Event:
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+    wd = Watchdog(tmp_path, 0, ["h"], 100.0, 1800.0, None)
+    try:
+        wd.mark("forward/backward", 3)
+        assert not wd.waiting()
+        wd.device_mark = Event(done=False)
+        assert wd.waiting()
+        wd.device_mark = Event(done=True)
+        assert not wd.waiting()
+    finally:
+        wd.close()
+
+
+def test_the_first_compiled_step_does_not_set_the_timeout(tmp_path):
+    """train.compile's first step compiles (minutes): it is left out of the longest step, which
+    sets the learned timeout (else a 10-minute first step would allow 1620 s a step)."""
+    from pretrain.resilience import STEP_MULTIPLE, Watchdog
+
+    for compiles, want in ((True, STEP_MULTIPLE * 70.0), (False, 0.9 * 1800)):
+        wd = Watchdog(tmp_path, 0, ["h"], 0.0, 1800.0, None, first_step_compiles=compiles)
+        try:
+            wd.step_took(600.0)
+            wd.step_took(70.0)
+            wd.mark("forward/backward", 3)
+            assert wd.timeout() == want
+        finally:
+            wd.close()
+
+
+def test_the_hang_timeout_leaves_room_for_the_report():
+    from pretrain.config import load_config
+
+    with pytest.raises(ConfigError, match=r"resilience.hang_timeout_s=1799.0 must be .* at least 25 s below"):
+        load_config(TINY, ["resilience.hang_timeout_s=1799"]).validate(1)
+    load_config(TINY, ["resilience.hang_timeout_s=1770"]).validate(1)
+
+
+def test_a_straggler_is_the_same_rank_three_log_steps_in_a_row(caplog):
+    from pretrain.resilience import Stragglers
+
+    report = Stragglers(["a", "b", "c"], warn=1.2)
+    slow = {0: [(2.0, 1.0), (1.0, 1.0), (1.0, 1.0)], 1: [(1.0, 1.0), (2.0, 1.0), (1.0, 1.0)]}
+    with caplog.at_level("WARNING", logger="pretrain"):
+        for rank in (0, 1, 0, 1, 0, 1):  # a slow rank every time, never the same one twice
+            assert report(slow[rank])["perf/slowest_rank"] == rank
+        assert "straggler" not in caplog.text
+        for _ in range(3):
+            report(slow[1])
+    assert "warning: rank 1 (host b) is a straggler" in caplog.text
+
+
+# ------------------------------------------------------------------ fault drills
+
+def test_a_drill_at_another_step_fires_and_nan_hits_every_micro_batch(tmp_path):
+    """A fault fires once per run dir at its step: a later drill of the same kind at another step
+    still fires. `nan` and `spike` hit every micro-batch of their step, not only the first."""
+    import torch
+
+    def drill(spec, step, accum=4):
+        inj = Injector(parse(spec), 0, tmp_path)
+        out = []
+        for i in range(accum):
+            inj.at_forward(step, i == 0)
+            out.append(inj.loss(torch.tensor(1.0), step).item())
+        return out
+
+    assert all(x != x for x in drill("nan@step=3", 3))  # every micro-batch NaN
+    assert drill("nan@step=3", 3) == [1.0] * 4  # fired before in this run dir
+    assert all(x != x for x in drill("nan@step=5", 5))  # another step: another drill
+    assert drill("spike@step=7,factor=10", 7) == [10.0] * 4
+
+
+def test_a_fault_for_a_rank_the_run_lacks_is_one_line(tmp_path):
+    exit_file = tmp_path / "exit.json"
+    proc = subprocess.run([sys.executable, "-m", "pretrain", "train", str(TINY), f"train.run_dir={tmp_path / 'r'}",
+                           "logging.wandb=disabled"], cwd=REPO, capture_output=True, text=True, timeout=180,
+                          env=train_env({"PRETRAIN_FAULT": "hang@rank=1,step=2", "PRETRAIN_EXIT_FILE": str(exit_file)}))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "pretrain: error: PRETRAIN_FAULT='hang@rank=1,step=2': rank=1, but this run has 1 rank(s) (0-0)"]
+    assert json.loads(exit_file.read_text())["code"] == 2
+
+
+def test_a_bad_fault_is_recorded_as_a_user_error(tmp_path):
+    """Under slurm/pretrain.sbatch (PRETRAIN_EXIT_FILE) a bad spec is recorded as exit 2, so the
+    restart loop does not take it for a crash and restart it (or leave out a healthy node)."""
+    exit_file = tmp_path / "exit.json"
+    proc = subprocess.run([sys.executable, "-m", "pretrain", "train", str(TINY), f"train.run_dir={tmp_path / 'r'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=train_env({"PRETRAIN_FAULT": "spike@step=2,factor=inf",
+                                         "PRETRAIN_EXIT_FILE": str(exit_file)}))
+    assert proc.returncode == 2
+    assert json.loads(exit_file.read_text())["code"] == 2
+
+
+# A `pretrain train` that receives SIGUSR1 during start-up, under Slurm with requeueing on: before
+# the process group exists (the handler already saw it) or after (the start-up's collective check).
+_STARTUP_SIGNAL = """
+import signal, sys
+from pretrain import distributed
+from pretrain.train import StopSignal, run
+stop = StopSignal()
+if sys.argv[1] == "before":
+    stop.received = signal.SIGUSR1
+else:
+    init = distributed.init
+    def init_then_signal(*args):
+        env = init(*args)
+        stop.received = signal.SIGUSR1
+        return env
+    distributed.init = init_then_signal
+sys.exit(run(sys.argv[2], sys.argv[3:], stop))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_sigusr1_during_startup_requeues_the_job(tmp_path, when):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol.calls"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    env = train_env({"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "PRETRAIN_REQUEUE": "1",
+                     "PRETRAIN_EXIT_FILE": str(tmp_path / "exit.json")})
+    proc = subprocess.run([sys.executable, "-c", _STARTUP_SIGNAL, when, str(TINY), f"train.run_dir={tmp_path / 'r'}",
+                           "logging.wandb=disabled"], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 75, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "received SIGUSR1 during start-up" in proc.stdout
+    assert calls.read_text().splitlines() == ["requeue 4242"]
+    assert json.loads((tmp_path / "exit.json").read_text())["code"] == 75
+
+
+# ------------------------------------------------------------------ long phases, rollbacks, branches
+
+@pytest.mark.slow
+def test_long_phases_that_make_progress_are_not_hangs(tmp_path):
+    """hang_timeout_s=4 with phases longer than that which make progress: 8000 batches of data
+    skipped before step 3 (about 7 s), an evaluation of 400 batches (about 8 s) and one of 8000 task
+    instances (about 5 s) at step 4. Each marks progress as it goes; one that did not would be
+    killed as a hang (exit 4)."""
+    tasks = tmp_path / "mine.jsonl"
+    tasks.write_text("".join(json.dumps({"context": f"Call number {i} returns", "continuation": " a value"}) + "\n"
+                             for i in range(8000)))
+    run_train(["data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", "logging.log_every=1",
+               "logging.wandb=disabled", "train.max_steps=5", "resilience.hang_timeout_s=4", "train.eval_every=4",
+               "train.eval_batches=400", "resilience.skip_batches=[[3,8000]]", f"train.eval_tasks=[{tasks}]",
+               "train.eval_task_limit=0", f"train.run_dir={tmp_path / 'run'}"])
+    evals = [r for r in read_metrics(tmp_path / "run") if "eval/loss" in r]
+    assert [r["step"] for r in evals] == [4, 5] and evals[0]["eval/tasks_s"] > 4
+
+
+@pytest.mark.slow
+def test_a_rollback_survives_a_kill_before_its_next_checkpoint(tmp_path, told):
+    """kill -9 right after "rolling back" (before the rolled-back run saves again): the resume
+    still skips the data (step 12 equals the run told to skip it) and the rollback still counts
+    against max_rollbacks: the ledger was written when the rollback happened."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "pretrain", "train", str(TINY), "logging.progress=false", *ROLLBACK,
+           f"train.run_dir={run}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=train_env({"PRETRAIN_FAULT": SPIKES["PRETRAIN_FAULT"]
+                                                          + ";slow@step=1,seconds=0.2"}),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    for line in proc.stdout:
+        if "rolling back to step_00000006" in line:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (run / "checkpoints" / "step_00000012").exists()  # (moved aside; no save since)
+    run_train(ROLLBACK + ["checkpoint.resume=auto", f"train.run_dir={run}"])
+    got, want = losses(run), losses(told)
+    assert {s: got[s] for s in range(12, 25)} == {s: want[s] for s in range(12, 25)}
+    state = json.loads((run / "checkpoints" / "step_00000024" / "trainer_state.json").read_text())
+    assert state["rollbacks"] == 1 and state["data_skips"] == {"12": 4}
+
+
+@pytest.mark.slow
+def test_rotation_keeps_the_checkpoint_a_rollback_needs(tmp_path):
+    """Spikes at 12, 20 and 28 (3 within the default window of 50) with checkpoint.every=5 and the
+    default keep_last=2: rotation at steps 15-25 keeps step 10, the newest checkpoint before the first
+    spike, and the run rolls back to it."""
+    proc = run_train(SPIKY + ["checkpoint.every=5", "train.max_steps=30", "resilience.rollback_after=3",
+                              "resilience.rollback_skip_batches=2", f"train.run_dir={tmp_path}"],
+                     env={"PRETRAIN_FAULT": "spike@step=12;spike@step=20;spike@step=28"})
+    assert "warning: 3 spikes in steps 12-28: rolling back to step_00000010" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000025", "step_00000030"]
+
+
+def test_no_checkpoint_to_roll_back_to_names_the_cause(tmp_path):
+    """Without a checkpoint before the spikes, the message says which setting is why: keep_last
+    when checkpoints were due before the first spike (rotation removed them), else checkpoint.every."""
+    from types import SimpleNamespace
+
+    from pretrain.config import ResilienceConfig
+    from pretrain.resilience import Rollbacks
+
+    r = ResilienceConfig(rollback_after=2, rollback_window=50)
+    for every, cause in ((5, r"rotation \(checkpoint.keep_last=2\) removed the ones before them"),
+                         (0, "set checkpoint.every below 12")):
+        ckpt = SimpleNamespace(root=tmp_path, cfg=SimpleNamespace(every=every, keep_last=2), wait=lambda: None)
+        rollbacks = Rollbacks(r, tmp_path, "run", True, 1)
+        assert rollbacks.spiked(12, ckpt) is None
+        with pytest.raises(NonFiniteStep, match=f"2 spikes in steps 12-13 and no checkpoint before them .*{cause}"):
+            rollbacks.spiked(13, ckpt)
+
+
+# Saved on 2 ranks, stopped by SIGTERM; resumed on 1 rank (through the universal checkpoint).
+RESIZED = BASE + ["train.max_steps=14", "checkpoint.every=3"]
+
+
+@pytest.mark.slow
+def test_a_decay_branch_after_a_resume_at_another_world_size(tmp_path):
+    """The branch restores a checkpoint this world size saved: it must load it as it is, while the
+    start loaded the 2-rank one through its universal conversion. bf16, ZeRO-3, AC."""
+    wsd = RESIZED + USER_PATH + ["schedule.kind=wsd", "schedule.decay_points=[10]", "schedule.decay_fraction=0.2",
+                                 "train.eval_every=0", f"train.run_dir={tmp_path}"]
+    proc = run_train(wsd, nproc=2, env={"PRETRAIN_FAULT": "signal@step=5,signum=15"}, check=False)
+    assert proc.returncode != 0 and "saved step 5" in proc.stdout, proc.stdout[-3000:]
+    proc = run_train(wsd + ["checkpoint.resume=auto"], nproc=1)
+    assert "decay branch to step 10" in proc.stdout
+    branch = [r for r in read_metrics(tmp_path) if "branch/train_loss" in r]
+    assert len(branch) == 1 and branch[0]["step"] == 8 and branch[0]["branch/end_step"] == 10
+    assert max(losses(tmp_path)) == 14
+
+
+@pytest.mark.slow
+def test_a_rollback_after_a_resume_at_another_world_size_is_not_a_hang(tmp_path):
+    """Resumed on 1 rank from a 2-rank checkpoint (step 7), spikes at 8, 9 and 10 roll back to it:
+    its universal conversion, made at the start, is kept (not removed by rotation at step 8's save)
+    and reused, and a conversion marks progress; with hang_timeout_s=3 either fault would be a hang.
+    (spike_sigma=50: only the injected x1000 spikes count, not a short history's noise.)"""
+    run = [*RESIZED, "checkpoint.every=4", "train.on_nonfinite=skip", "resilience.spike_sigma=50",
+           "resilience.spike_warmup=5", "resilience.spike_window=8", "resilience.rollback_after=3",
+           "resilience.rollback_window=5", "resilience.rollback_skip_batches=2", f"train.run_dir={tmp_path}"]
+    proc = run_train(run, nproc=2, env={"PRETRAIN_FAULT": "signal@step=7,signum=15"}, check=False)
+    assert "saved step 7" in proc.stdout, proc.stdout[-3000:]
+    proc = run_train(run + ["checkpoint.resume=auto", "resilience.hang_timeout_s=3"], nproc=1,
+                     env={"PRETRAIN_FAULT": "spike@step=8;spike@step=9;spike@step=10"})
+    assert "warning: 3 spikes in steps 8-10: rolling back to step_00000007" in proc.stdout
+    assert max(losses(tmp_path)) == 14

@@ -123,12 +123,41 @@ def test_pretrain_nodes_outside_the_allocation_is_one_line(nodes):
 
 def test_rdzv_port_sets_the_rendezvous_port():
     """RDZV_PORT from the environment is the launch line's rendezvous port, in place of the job's own
-    (15000 + job id % 15000, checked on the cluster in test_pretrain_sbatch.py)."""
+    (15000 + 16 x (job id % 937), checked on the cluster in test_pretrain_sbatch.py)."""
     host = subprocess.run(["hostname"], capture_output=True, text=True, check=True).stdout.strip()
     r = dry_run(CONFIG, GPUS_PER_NODE="0", RDZV_PORT="23456", SLURM_JOB_ID="31234")
     assert r.returncode == 0, r.stderr
     assert f"--rdzv-endpoint={host}:23456 --rdzv-id=31234-0 " in launch_line(r.stdout)
     assert f"rendezvous {host}:23456" in r.stdout
+
+
+def _rdzv_ports(job: int) -> list[int]:
+    """slurm/env.sh's rendezvous port of each start of job `job` (the first, then each restart)."""
+    r = subprocess.run([shutil.which("bash"), "-c", 'set -euo pipefail; source slurm/env.sh; '
+                        'for i in $(seq 0 $(( RDZV_PORTS_PER_JOB - 1 ))); do rdzv_port "$i"; done'],
+                       cwd=REPO, capture_output=True, text=True, timeout=30,
+                       env={**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
+                            "GPUS_PER_NODE": "0", "SLURM_JOB_ID": str(job)})
+    assert r.returncode == 0, r.stderr
+    return [int(x) for x in r.stdout.split()]
+
+
+@pytest.mark.parametrize("job", [1, 31234, 936, 937])
+def test_restarts_never_take_another_jobs_rendezvous_port(job):
+    """Each start of a job (up to 15 restarts in the allocation) has its own port, and none is a
+    port of the next or the previous job (a store that cannot bind its port becomes a client of the
+    other job's store, and dies with it). All in 15000-29999."""
+    mine, after, before = _rdzv_ports(job), _rdzv_ports(job + 1), _rdzv_ports(job - 1)
+    assert len(set(mine)) == 16 and not set(mine) & (set(after) | set(before))
+    assert all(15000 <= p <= 29999 for p in mine + after + before)
+    assert mine[0] == 15000 + job % 937 * 16  # (pretrain/distributed.py's rule for a bare srun)
+
+
+def test_more_restarts_than_the_ports_of_a_job_is_one_line():
+    r = dry_run(CONFIG, GPUS_PER_NODE="0", PRETRAIN_MAX_RESTARTS="16")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "pretrain.sbatch: PRETRAIN_MAX_RESTARTS=16: give 0 to 15 (each restart has a rendezvous port of its own in "
+        "the job's block)"]
 
 
 @pytest.mark.slow
