@@ -453,7 +453,6 @@ sys.exit(run(sys.argv[2], sys.argv[3:], stop))
 """
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_sigusr1_during_startup_requeues_the_job(tmp_path, when):
     bin_dir = tmp_path / "bin"
