@@ -9,13 +9,17 @@ starts a hang report, which every other rank's watchdog joins:
 1. the first watchdog to fire asks every rank for its state, through the rendezvous store (the
    TCP store every rank already talks to; a connection of its own, whose operations time out);
 2. every watchdog looks for that request twice a second and answers it at once, whatever its own
-   timer says: its rank, host, phase, step, and whether it waits for other ranks (the phase
-   `collective`, a main thread inside torch.distributed or deepspeed.comm, or, on a GPU, a stream
-   that has not reached the host's latest mark: stalled behind a collective); it also writes every
-   thread's stack (faulthandler) to RUN/hangs/<start>/rank-N.txt, best effort with a time limit;
-3. the asking rank waits until every rank has answered (at most REPORT_WAIT_S), then prints one
-   line to stderr naming the ranks that hang: those that did not answer (frozen, or gone), else
-   those not waiting for others, and records exit 4 for slurm/pretrain.sbatch;
+   timer says: its rank, host, phase, step, time without progress, and whether it waits for other
+   ranks (the phase `collective`, a main thread inside torch.distributed or deepspeed.comm, or, on
+   a GPU, a stream that has not reached the host's latest mark: stalled behind a collective);
+3. the asking rank waits until every rank has answered (at most REPORT_WAIT_S), then decides. The
+   ranks that hang: those that did not answer (frozen, or gone), else those not waiting for others
+   that made no progress for about as long as it did, else, when every rank waits, all of them (a
+   communication hang). No rank hangs when one that is not waiting made progress recently (a slow
+   rank the others wait for, in an evaluation say): the report ends, the run goes on, and the
+   asking rank waits a timeout more. A hang is one line on stderr, exit 4 recorded for
+   slurm/pretrain.sbatch, and every thread's stack (faulthandler) of every rank in
+   RUN/hangs/<start>/rank-N.txt, best effort with a time limit;
 4. every rank exits with code 4 once the line is out, so the job ends (and slurm/pretrain.sbatch,
    or a person, resumes it from the last checkpoint) instead of waiting for the collective timeout.
    A rank whose main thread fails meanwhile (its peer is gone) waits for the report instead of
@@ -83,31 +87,37 @@ STRAGGLER_STREAK = 3  # log steps in a row with the same rank over resilience.st
 
 
 class Channel:
-    """The hang report's messages, in a key-value store every rank reaches (the rendezvous store,
-    pretrain.distributed.side_store): the request, each rank's answer, the verdict."""
+    """The hang reports' messages, in a key-value store every rank reaches (the rendezvous store,
+    pretrain.distributed.side_store). Reports are numbered: `latest` is the newest one asked for;
+    report g has its asking rank (the first to add to g/asked), each rank's answer and a verdict
+    ("" when no rank hangs: the run goes on)."""
 
     def __init__(self, store):
         self.store = store
 
-    def ask(self) -> bool:
-        """Request a report from every rank; True for the first rank to ask (it gives the verdict)."""
-        return self.store.add("asked", 1) == 1
+    def latest(self) -> int:
+        return self.store.add("latest", 0)
 
-    def asked(self) -> bool:
-        return self.store.check(["asked"])
+    def ask(self, g: int) -> bool:
+        """Request report g from every rank; True for the first rank to ask (it gives the verdict)."""
+        first = self.store.add(f"{g}/asked", 1) == 1
+        if first:
+            self.store.set("latest", str(g))
+        return first
 
-    def answer(self, rank: int, head: dict) -> None:
-        self.store.set(f"rank/{rank}", json.dumps(head))
+    def answer(self, g: int, rank: int, head: dict) -> None:
+        self.store.set(f"{g}/rank/{rank}", json.dumps(head))
 
-    def answers(self, world: int) -> dict[int, dict]:
-        keys = [f"rank/{r}" for r in range(world)]
-        return {r: json.loads(self.store.get(k)) for r, k in enumerate(keys) if self.store.check([k])}
+    def answers(self, g: int, world: int) -> dict[int, dict]:
+        keys = {r: f"{g}/rank/{r}" for r in range(world)}
+        return {r: json.loads(self.store.get(k)) for r, k in keys.items() if self.store.check([k])}
 
-    def publish(self, line: str) -> None:
-        self.store.set("verdict", line)
+    def publish(self, g: int, line: str) -> None:
+        self.store.set(f"{g}/verdict", line)
 
-    def verdict(self) -> str | None:
-        return self.store.get("verdict").decode() if self.store.check(["verdict"]) else None
+    def verdict(self, g: int) -> str | None:
+        key = f"{g}/verdict"
+        return self.store.get(key).decode() if self.store.check([key]) else None
 
 
 class Watchdog:
@@ -121,7 +131,8 @@ class Watchdog:
         self.longest = 0.0  # the longest step so far (s)
         self._uncounted = int(first_step_compiles)  # steps left out of `longest` (train.compile's first)
         self.samples = [0, 0]  # since the last busy_share(): [waiting, busy]
-        self.reporting = threading.Event()  # set once this rank takes part in a hang report
+        self.reporting = threading.Event()  # set while this rank takes part in a hang report
+        self.handled = 0  # the newest hang report this rank took part in
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="pretrain-watchdog", daemon=True)
         self._thread.start()
@@ -187,68 +198,91 @@ class Watchdog:
             elif self.channel is not None and now >= next_look:
                 next_look = now + LOOK_S
                 try:
-                    asked = self.channel.asked()
+                    latest = self.channel.latest()
                 except Exception:  # noqa: BLE001 - the store is gone: the rank that fires says so
-                    asked = False
-                if asked:
-                    self._report(idle, fired=False)
+                    latest = self.handled
+                if latest > self.handled:
+                    self._report(idle, fired=False, g=latest)
 
-    def _report(self, idle: float, fired: bool) -> None:
-        """This rank's part of a hang report (module docstring); ends the process with EXIT_HANG."""
+    def _report(self, idle: float, fired: bool, g: int = 0) -> None:
+        """This rank's part of hang report `g` (module docstring): ends the process with EXIT_HANG
+        when the verdict is a hang, else returns (the rank that asked waits a timeout more)."""
         self.reporting.set()
+        hang = True
         try:
             head = {"rank": self.rank, "host": self.hosts[self.rank], "phase": self.phase, "step": self.step,
                     "idle_s": round(idle, 1), "waiting": self.waiting(), "fired": fired}
-            leader, unreachable = fired, None
+            leader, unreachable = False, None
             try:
-                if fired:
-                    leader = self.channel.ask() if self.channel is not None else True
-                if self.channel is not None:
-                    self.channel.answer(self.rank, head)
+                if self.channel is None:
+                    unreachable = "no rendezvous store"
+                else:
+                    if fired:  # join the report in progress, if one is, else ask for the next
+                        g = self.channel.latest()
+                        g = g if g > self.handled and self.channel.verdict(g) is None else max(g, self.handled) + 1
+                        leader = self.channel.ask(g)
+                    self.channel.answer(g, self.rank, head)
             except Exception as e:  # noqa: BLE001
                 unreachable = f"the rendezvous store did not answer ({_short(e)})"
-            stacks = _bounded(self._write_stacks, head)
+            self.handled = max(self.handled, g)
             if leader or unreachable:
-                self._give_verdict(head, idle, stacks, unreachable)
+                hang = self._give_verdict(g, head, idle, unreachable)
             else:
-                self._await_verdict(head, idle, stacks)
+                hang = self._await_verdict(g, head, idle)
         except BaseException as e:  # noqa: BLE001 - the verdict and the exit must happen whatever failed
             _say(f"pretrain: the hang report of rank {self.rank} failed ({_short(e)}); exiting with {EXIT_HANG}")
         finally:
-            _bounded(logging.shutdown)  # (flushes the loggers; a handler's lock may be held by the main thread)
-            os._exit(EXIT_HANG)
+            if hang:
+                _bounded(logging.shutdown)  # (flushes the loggers; a handler's lock may be held by the main thread)
+                os._exit(EXIT_HANG)
+        if fired:
+            self.since = time.monotonic()  # it waits for a rank that makes progress: a timeout more
+        self.reporting.clear()
 
-    def _give_verdict(self, head: dict, idle: float, stacks: str | None, unreachable: str | None) -> None:
+    def _give_verdict(self, g: int, head: dict, idle: float, unreachable: str | None) -> bool:
+        """The asking rank: every rank's answer (or REPORT_WAIT_S), then the verdict; True for a hang."""
         answers, deadline = {self.rank: head}, time.monotonic() + REPORT_WAIT_S
         while unreachable is None:
             try:
-                answers = self.channel.answers(len(self.hosts)) or answers
+                answers = self.channel.answers(g, len(self.hosts)) or answers
             except Exception as e:  # noqa: BLE001
                 unreachable = f"the rendezvous store did not answer ({_short(e)})"
             if len(answers) == len(self.hosts) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        where = f"stacks in {self.dir}" if stacks is None else f"stacks not written ({stacks})"
-        line, named = verdict(answers, self.hosts, idle, where, unreachable)
+        line, named = verdict(answers, self.hosts, idle, unreachable)
+        if line is None:  # a rank makes progress: the others wait for it
+            try:
+                self.channel.publish(g, "")
+            except Exception:  # noqa: BLE001 - the others give their own verdict at their deadline
+                pass
+            return False
+        stacks = _bounded(self._write_stacks, head)
+        line += f"; stacks in {self.dir}" if stacks is None else f"; stacks not written ({stacks})"
         _say(f"pretrain: {line}; exiting with {EXIT_HANG} (resume with checkpoint.resume=auto)")
         _bounded(record_exit, EXIT_HANG, line, sorted({self.hosts[r] for r in named}))
         if unreachable is None:
             try:
-                self.channel.publish(line)
+                self.channel.publish(g, line)
             except Exception:  # noqa: BLE001 - the others end at their own deadline
                 pass
+        return True
 
-    def _await_verdict(self, head: dict, idle: float, stacks: str | None) -> None:
-        """Wait for the asking rank's verdict; if it never comes (that rank is gone), give one."""
+    def _await_verdict(self, g: int, head: dict, idle: float) -> bool:
+        """Wait for the asking rank's verdict (True for a hang: the stacks are written); if it never
+        comes (that rank is gone), give one."""
         deadline = time.monotonic() + REPORT_WAIT_S + IO_TIMEOUT_S + STORE_TIMEOUT_S
         while time.monotonic() < deadline:
             try:
-                if self.channel.verdict() is not None:
-                    return
+                line = self.channel.verdict(g)
             except Exception:  # noqa: BLE001
                 break
+            if line is not None:
+                if line:
+                    _bounded(self._write_stacks, head)
+                return bool(line)
             time.sleep(0.1)
-        self._give_verdict(head, idle, stacks, None)
+        return self._give_verdict(g, head, idle, None)
 
     def _write_stacks(self, head: dict) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -322,25 +356,32 @@ def _in_collective() -> bool:
     return False
 
 
-def verdict(seen: dict[int, dict], hosts: list[str], idle: float, where: str,
-            unreachable: str | None = None) -> tuple[str, list[int]]:
-    """One line: which ranks hang, where; and those ranks. `seen`: rank -> the answer it gave."""
+def verdict(seen: dict[int, dict], hosts: list[str], idle: float,
+            unreachable: str | None = None) -> tuple[str | None, list[int]]:
+    """One line: which ranks hang, where; and those ranks. None when no rank hangs: one that is not
+    waiting made progress recently (the others wait for it). `seen`: rank -> the answer it gave;
+    `idle`: how long the asking rank went without progress."""
     step = max((h["step"] for h in seen.values()), default=0)
     name = lambda r: f"rank {r} (host {hosts[r]}" + (f", in {seen[r]['phase']} of step {seen[r]['step']})"  # noqa: E731
                                                      if r in seen else ")")
     silent = [r for r in range(len(hosts)) if r not in seen]
     busy = [r for r, h in sorted(seen.items()) if not h["waiting"]]
+    # Stuck: no progress for about as long as the asking rank (a rank that answers from the middle of
+    # its micro-batches, making progress, is not hung: the others wait for it to arrive).
+    stuck = [r for r in busy if seen[r]["idle_s"] >= idle / 2]
     if unreachable:
         named, what = [], "; ".join(
             f"{name(r)} made no progress ({'waiting for others' if h['waiting'] else 'not waiting'})"
             for r, h in sorted(seen.items())) + f"; the other ranks could not be asked: {unreachable}"
     elif silent:
         named, what = silent, f"{', '.join(map(name, silent))} did not answer (frozen, or gone)"
+    elif stuck:
+        named, what = stuck, f"{', '.join(map(name, stuck))} made no progress while the others waited in a collective"
     elif busy:
-        named, what = busy, f"{', '.join(map(name, busy))} made no progress while the others waited in a collective"
+        return None, []
     else:
         named, what = [], "every rank waits in a collective: a communication hang (network, NCCL)"
-    return f"hang at step {step}: no progress for {idle:.0f} s; {what}; {where}", named
+    return f"hang at step {step}: no progress for {idle:.0f} s; {what}", named
 
 
 class ComputeClock:

@@ -38,7 +38,7 @@ SPIKES = {"PRETRAIN_FAULT": "spike@step=12;spike@step=13;spike@step=14"}
 def told(tmp_path_factory):
     """The rollback's run without spikes, told from the start to skip 4 batches before step 12."""
     run = tmp_path_factory.mktemp("told")
-    run_train(ROLLBACK + ["resilience.skip_batches=[[12,4]]", f"train.run_dir={run}"])
+    run_train(ROLLBACK + ["resilience.skip_batches=[[12,4]]", f"train.run_dir={run}"], nproc=2)
     return run
 
 
@@ -212,7 +212,7 @@ def test_spikes_in_a_row_roll_back_and_skip_their_data(tmp_path, told):
     import torch
 
     rolled = tmp_path / "rolled"
-    proc = run_train(ROLLBACK + [f"train.run_dir={rolled}"], env=SPIKES)
+    proc = run_train(ROLLBACK + [f"train.run_dir={rolled}"], nproc=2, env=SPIKES)
     assert "warning: 3 spikes in steps 12-14: rolling back to step_00000006 and skipping 4 batches" in proc.stdout
     assert (rolled / "rolled_back" / "step_00000012.1" / "manifest.json").is_file()
     assert losses(rolled) == losses(told)
@@ -222,7 +222,7 @@ def test_spikes_in_a_row_roll_back_and_skip_their_data(tmp_path, told):
     resumed = tmp_path / "resumed"
     shutil.copytree(rolled, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000024")
-    run_train(ROLLBACK + ["checkpoint.resume=auto", f"train.run_dir={resumed}"])
+    run_train(ROLLBACK + ["checkpoint.resume=auto", f"train.run_dir={resumed}"], nproc=2)
     c = _weights(resumed, 24)
     assert all(torch.equal(a[k], c[k]) for k in a)
 
@@ -285,24 +285,26 @@ def test_a_bad_fault_is_refused_before_training(tmp_path):
 
 @pytest.mark.slow
 def test_a_hang_names_the_hung_rank_even_when_the_others_fire_later(tmp_path):
-    """With 128 micro-batches a step (ZeRO-0), the healthy rank keeps making progress through its
-    micro-batches long after rank 1 hung at its first, so rank 1's timer fires first and rank 0's
-    has not: rank 0 still answers the request (it waits in the collective) and is not named. Every
-    rank writes its stacks, every rank exits 4, and the exit record says 4, not the 1 of the
-    connection errors that follow the hung rank's exit."""
+    """With 2048 micro-batches a step (ZeRO-0), the healthy rank keeps making progress through its
+    micro-batches for longer than the timeout and the report's wait after rank 1 hung at its first:
+    rank 1's timer fires, rank 0's has not and will not before the report ends. Rank 0 still
+    answers the request (making progress: not hung) and is not named. Every rank writes its stacks,
+    every rank exits 4, and the exit record says 4, not the 1 of the connection errors that follow
+    the hung rank's exit."""
     exit_file = tmp_path / "exit.json"
-    proc = _start(tmp_path / "run", "hang@rank=1,step=2", extra=[
-        "train.global_batch_size=1024", "distributed.zero_stage=0", "train.max_steps=3", "train.eval_every=0"],
+    proc = _start(tmp_path / "run", "hang@rank=1,step=1", extra=[
+        "train.global_batch_size=16384", "distributed.zero_stage=0", "train.max_steps=2", "train.eval_every=0"],
         env={"PRETRAIN_EXIT_FILE": str(exit_file)})
     out, _ = proc.communicate(timeout=TIMEOUT + MARGIN + 120)
     assert out.count("exitcode  : 4") == 2, out[-4000:]
     line = _hang_report(out)
     host = socket.gethostname()
-    assert f"rank 1 (host {host}, in forward/backward of step 2) made no progress while the others waited" in line
+    assert f"rank 1 (host {host}, in forward/backward of step 1) made no progress while the others waited" in line
     assert "rank 0" not in line
     stacks = _stacks(tmp_path / "run")
     assert set(stacks) == {0, 1}
-    assert json.loads(stacks[0][0])["waiting"] and not json.loads(stacks[1][0])["waiting"]
+    rank0, rank1 = json.loads(stacks[0][0]), json.loads(stacks[1][0])
+    assert not rank1["waiting"] and rank1["idle_s"] >= TIMEOUT and rank0["idle_s"] < TIMEOUT / 2
     record = json.loads(exit_file.read_text())
     assert record["code"] == 4 and record["hosts"] == [host] and record["why"] in line
 
@@ -325,6 +327,58 @@ def test_a_hang_report_needs_no_file_system(tmp_path):
     assert f"rank 1 (host {socket.gethostname()}, in forward/backward of step 3) made no progress" in line
     assert "stacks not written (NotADirectoryError" in line
     assert json.loads((tmp_path / "exit.json").read_text())["code"] == 4
+
+
+# Two watchdogs in one process (ranks 0 and 1) sharing an in-memory store: rank 0 waits in a
+# collective (hang_timeout_s=1) while rank 1 makes progress for 4 s, then stops.
+_TWO_WATCHDOGS = """
+import sys, threading, time
+from pathlib import Path
+from pretrain.resilience import Channel, Watchdog
+
+class Store:  # the TCPStore calls the watchdog makes
+    def __init__(self):
+        self.kv, self.lock = {}, threading.Lock()
+    def add(self, key, n):
+        with self.lock:
+            self.kv[key] = str(int(self.kv.get(key, b"0")) + n).encode()
+            return int(self.kv[key])
+    def set(self, key, value):
+        with self.lock:
+            self.kv[key] = value.encode()
+    def get(self, key):
+        with self.lock:
+            return self.kv[key]
+    def check(self, keys):
+        with self.lock:
+            return all(k in self.kv for k in keys)
+
+store = Store()
+dogs = [Watchdog(Path(sys.argv[1]), r, ["a", "b"], 1.0, 1800.0, Channel(store)) for r in (0, 1)]
+dogs[0].mark("collective", 3)
+dogs[1].mark("eval", 3)
+end = time.monotonic() + 4
+while time.monotonic() < end:
+    dogs[1].progress()
+    time.sleep(0.05)
+print("reports while rank 1 made progress:", store.add("latest", 0), flush=True)
+time.sleep(60)
+print("no verdict", flush=True)
+"""
+
+
+def test_a_rank_that_makes_progress_is_waited_for_and_named_once_it_stops(tmp_path):
+    """A report finds rank 1 making progress (a slow evaluation, say) while rank 0 waits for it: no
+    hang, the run goes on, rank 0 waits a timeout more, and asks again. Once rank 1 stops, the next
+    report names it, and the process exits 4."""
+    proc = subprocess.run([sys.executable, "-c", _TWO_WATCHDOGS, str(tmp_path)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    [reports] = [x for x in proc.stdout.splitlines() if x.startswith("reports while")]
+    assert int(reports.split(": ")[1]) >= 2  # (one a second, each ended without a verdict of hang)
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("pretrain: hang at step 3")]
+    assert "rank 1 (host b, in eval of step 3) made no progress while the others waited" in line
+    assert "rank-1.txt" in {p.name for p in tmp_path.iterdir()}  # (one process: the first to exit ends both)
 
 
 def test_a_rank_waits_when_its_device_has_not_reached_its_last_mark(tmp_path):
@@ -462,9 +516,18 @@ def test_sigusr1_during_startup_requeues_the_job(tmp_path, when):
     (bin_dir / "scontrol").chmod(0o755)
     env = train_env({"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "PRETRAIN_REQUEUE": "1",
                      "PRETRAIN_EXIT_FILE": str(tmp_path / "exit.json")})
-    proc = subprocess.run([sys.executable, "-c", _STARTUP_SIGNAL, when, str(TINY), f"train.run_dir={tmp_path / 'r'}",
-                           "logging.wandb=disabled"], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 75, proc.stdout[-2000:] + proc.stderr[-2000:]
+    driver = tmp_path / "driver.py"
+    driver.write_text(_STARTUP_SIGNAL)
+    # Before the process group: one process. After: 2 ranks, whose collective start-up check stops
+    # both; rank 0 requeues before either exits.
+    launch = [sys.executable] if when == "before" else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    proc = subprocess.run([*launch, str(driver), when, str(TINY), f"train.run_dir={tmp_path / 'r'}",
+                           "logging.wandb=disabled", "logging.progress=false"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == (75 if when == "before" else 1), out[-4000:]  # (torchrun exits 1)
+    assert when == "before" or out.count("exitcode  : 75") == 2, out[-4000:]
     assert "received SIGUSR1 during start-up" in proc.stdout
     assert calls.read_text().splitlines() == ["requeue 4242"]
     assert json.loads((tmp_path / "exit.json").read_text())["code"] == 75
@@ -474,19 +537,18 @@ def test_sigusr1_during_startup_requeues_the_job(tmp_path, when):
 
 @pytest.mark.slow
 def test_long_phases_that_make_progress_are_not_hangs(tmp_path):
-    """hang_timeout_s=4 with phases longer than that which make progress: 8000 batches of data
-    skipped before step 3 (about 7 s), an evaluation of 400 batches (about 8 s) and one of 8000 task
-    instances (about 5 s) at step 4. Each marks progress as it goes; one that did not would be
-    killed as a hang (exit 4)."""
+    """hang_timeout_s=4 with phases longer than that which make progress, on 2 ranks on the user's
+    path (bf16, ZeRO-3, activation checkpointing): 16000 batches of data skipped before step 3, and
+    the final evaluation: 400 batches and 8000 task instances (each several seconds). Each
+    marks progress as it goes; one that did not would be killed as a hang (exit 4)."""
     tasks = tmp_path / "mine.jsonl"
     tasks.write_text("".join(json.dumps({"context": f"Call number {i} returns", "continuation": " a value"}) + "\n"
                              for i in range(8000)))
-    run_train(["data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", "logging.log_every=1",
-               "logging.wandb=disabled", "train.max_steps=5", "resilience.hang_timeout_s=4", "train.eval_every=4",
-               "train.eval_batches=400", "resilience.skip_batches=[[3,8000]]", f"train.eval_tasks=[{tasks}]",
-               "train.eval_task_limit=0", f"train.run_dir={tmp_path / 'run'}"])
-    evals = [r for r in read_metrics(tmp_path / "run") if "eval/loss" in r]
-    assert [r["step"] for r in evals] == [4, 5] and evals[0]["eval/tasks_s"] > 4
+    run_train(BASE + USER_PATH + ["train.max_steps=4", "resilience.hang_timeout_s=4", "train.eval_batches=400",
+                                  "resilience.skip_batches=[[3,16000]]", f"train.eval_tasks=[{tasks}]",
+                                  "train.eval_task_limit=0", f"train.run_dir={tmp_path / 'run'}"], nproc=2)
+    [final] = [r for r in read_metrics(tmp_path / "run") if "eval/loss" in r]
+    assert final["step"] == 4 and final["eval/tasks_s"] > 4
 
 
 @pytest.mark.slow
@@ -495,19 +557,18 @@ def test_a_rollback_survives_a_kill_before_its_next_checkpoint(tmp_path, told):
     still skips the data (step 12 equals the run told to skip it) and the rollback still counts
     against max_rollbacks: the ledger was written when the rollback happened."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "pretrain", "train", str(TINY), "logging.progress=false", *ROLLBACK,
-           f"train.run_dir={run}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=train_env({"PRETRAIN_FAULT": SPIKES["PRETRAIN_FAULT"]
-                                                          + ";slow@step=1,seconds=0.2"}),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    import psutil
+
+    proc = _start(run, SPIKES["PRETRAIN_FAULT"] + ";slow@step=1,seconds=0.2", extra=ROLLBACK)
     for line in proc.stdout:
         if "rolling back to step_00000006" in line:
-            os.killpg(proc.pid, signal.SIGKILL)
+            for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+                p.kill()  # every process at once, as a lost node (torchrun runs each rank in a session of its own)
             break
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert not (run / "checkpoints" / "step_00000012").exists()  # (moved aside; no save since)
-    run_train(ROLLBACK + ["checkpoint.resume=auto", f"train.run_dir={run}"])
+    run_train(ROLLBACK + ["checkpoint.resume=auto", f"train.run_dir={run}"], nproc=2)
     got, want = losses(run), losses(told)
     assert {s: got[s] for s in range(12, 25)} == {s: want[s] for s in range(12, 25)}
     state = json.loads((run / "checkpoints" / "step_00000024" / "trainer_state.json").read_text())
@@ -521,7 +582,7 @@ def test_rotation_keeps_the_checkpoint_a_rollback_needs(tmp_path):
     spike, and the run rolls back to it."""
     proc = run_train(SPIKY + ["checkpoint.every=5", "train.max_steps=30", "resilience.rollback_after=3",
                               "resilience.rollback_skip_batches=2", f"train.run_dir={tmp_path}"],
-                     env={"PRETRAIN_FAULT": "spike@step=12;spike@step=20;spike@step=28"})
+                     nproc=2, env={"PRETRAIN_FAULT": "spike@step=12;spike@step=20;spike@step=28"})
     assert "warning: 3 spikes in steps 12-28: rolling back to step_00000010" in proc.stdout
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000025", "step_00000030"]
 
