@@ -81,19 +81,19 @@ def task_files(tmp_path_factory):
 
 
 def test_hub_schemas_are_prompted_as_lm_eval_prompts_them(task_files):
-    [h, *_], _ = load(f"hellaswag={task_files / 'hellaswag.jsonl'}")
+    [h, *_], *_ = load(f"hellaswag={task_files / 'hellaswag.jsonl'}")
     row = json.loads((task_files / "hellaswag.jsonl").read_text().splitlines()[0])
     assert h.contexts == [f"Python: {row['ctx_a']} {row['ctx_b'].capitalize()}"]
     assert "[title]" not in h.continuations[0] and ". " in h.continuations[0] and h.gold == 0
-    [a, *_], _ = load(f"arc_challenge={task_files / 'arc_challenge.jsonl'}", limit=1)
+    [a, *_], *_ = load(f"arc_challenge={task_files / 'arc_challenge.jsonl'}", limit=1)
     assert a.contexts[0].startswith("Question: ") and a.contexts[0].endswith("?\nAnswer:") and a.gold == 0
-    [w, *_], _ = load(f"winogrande={task_files / 'winogrande.jsonl'}")
+    [w, *_], *_ = load(f"winogrande={task_files / 'winogrande.jsonl'}")
     assert w.format == "schema" and len(w.contexts) == 2 and w.continuations[0].startswith(" ")
-    [s, *_], _ = load(f"sciq={task_files / 'sciq.jsonl'}")
+    [s, *_], *_ = load(f"sciq={task_files / 'sciq.jsonl'}")
     assert s.gold == 3 and "\nQuestion: " in s.contexts[0] and not s.contexts[0].startswith(" ")
-    [lam, *_], _ = load(f"lambada_openai={task_files / 'lambada_openai.jsonl'}")
+    [lam, *_], *_ = load(f"lambada_openai={task_files / 'lambada_openai.jsonl'}")
     assert lam.format == "cloze" and len(lam.contexts[0].split()) == 24
-    mine, _ = load(str(task_files / "mine.jsonl"))
+    mine, *_ = load(str(task_files / "mine.jsonl"))
     assert [m.format for m in mine[:3]] == ["multiple_choice", "schema", "cloze"]
     assert len(load(str(task_files / "mine.jsonl"), limit=4)[0]) == 4
 
