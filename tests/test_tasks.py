@@ -325,6 +325,20 @@ def test_task_scores_equal_lm_evaluation_harness(trained, task_files, tmp_path, 
 
 
 @pytest.mark.slow
+def test_the_scoring_dtype_is_chosen_and_said(trained, task_files):
+    """`pretrain eval --tasks` scores in fp32 on the CPU (what lm-eval's HFLM does on the fp32
+    export: the equality above), bf16 with --dtype bf16 (CUDA's default), and says which."""
+    spec = f"arc_easy={task_files / 'arc_easy.jsonl'}"
+    fp32, bf16 = _eval(str(trained), "--tasks", spec), _eval(str(trained), "--tasks", spec, "--dtype", "bf16")
+    assert (fp32["dtype"], bf16["dtype"]) == ("fp32", "bf16")
+    assert _eval(str(trained), "--tasks", spec, "--dtype", "fp32")["tasks"] == fp32["tasks"]
+    gaps = [abs(a - b) for x, y in zip(fp32["tasks"]["arc_easy"]["instances"], bf16["tasks"]["arc_easy"]["instances"])
+            for a, b in zip(x["lls"], y["lls"])]
+    print(f"bf16 - fp32 log-likelihoods: max {max(gaps):.4f}, mean {sum(gaps) / len(gaps):.4f} nats")
+    assert 0 < max(gaps) < 1.0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case,message", [
     ("unknown", "unknown task 'hellaswagg'; tasks: hellaswag, arc_easy"),
     ("schema", "row 0 is not in the task's schema (no ctx_a, ctx_b, activity_label, endings): it needs the fields"),
