@@ -206,3 +206,34 @@ def test_every_matrix_takes_microsofts_rate_and_decay(shape):
             assert ours[id(p)]["weight_decay"] == pytest.approx(theirs[id(p)]["weight_decay"], rel=1e-12), name
     seven_b = ModelArgs(**PRESETS["7b"], parametrization="mup", mup_base_dim=256, mup_base_head_dim=128)
     assert seven_b.ffn_width_mult == pytest.approx(14336 / 768) and seven_b.width_mult == 16
+
+
+def test_every_roles_gradient_shrinks_as_one_over_m():
+    """Why every role's Adam eps is eps / m under muP: at widths 64-512 (grown by heads, as the
+    planner grows them) the RMS gradient of every role, the embedding, head and norm gains
+    included, falls as 1/m (log-log slopes near -1), so an eps kept at the base's would weigh m
+    times more in a wide model's update."""
+    from pretrain.mup import slope
+    from pretrain.optim import role
+    from pretrain.scaling.plan import grown
+
+    base = args_of(dim=64, n_heads=2, n_kv_heads=1, multiple_of=64, parametrization="mup", mup_base_dim=64,
+                   mup_base_head_dim=32, vocab_size=512)
+    widths, rms = [64, 128, 256, 512], {}
+    tokens = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(0))
+    for w in widths:
+        per_role = {}
+        for seed in range(2):
+            torch.manual_seed(seed)
+            model = Transformer(grown(base, base.n_layers, w // 64))
+            model.init_weights()
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+            for name, p in model.named_parameters():
+                per_role.setdefault(role(name, p.ndim), []).append(p.grad.pow(2).mean().item())
+        for r, sq in per_role.items():
+            rms.setdefault(r, []).append((sum(sq) / len(sq)) ** 0.5)
+    slopes = {r: slope(widths, v) for r, v in rms.items()}
+    print("gradient RMS slopes against width:", {r: round(s, 3) for r, s in slopes.items()})
+    assert set(slopes) == {"hidden", "ffn_out", "head", "embedding", "norm"}
+    for r, s in slopes.items():
+        assert s == pytest.approx(-1.0, abs=0.15), (r, slopes)
