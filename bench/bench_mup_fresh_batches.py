@@ -44,7 +44,8 @@ def main() -> None:
     cfg = load_config(REPO / "configs" / "tiny.yaml", a.overrides)
     tokenizer, filled = tokenizer_and_model_args(cfg)
     base = dataclasses.replace(cfg.model, vocab_size=filled.vocab_size)
-    loader = iter(dp.build_loader(dataclasses.replace(cfg.data, seq_len=a.seq_len), tokenizer, micro_batch_size=a.batch))
+    data = dataclasses.replace(cfg.data, seq_len=a.seq_len)
+    loader = iter(dp.build_loader(data, tokenizer, micro_batch_size=a.batch))
     # the same fresh batches for every width and seed: (inputs, labels flattened for its cross-entropy)
     batches = [(b["input_ids"], b["labels"].reshape(-1)) for b in (next(loader) for _ in range(a.steps + 1))]
     widths = [int(w) for w in a.widths.split(",")]

@@ -36,7 +36,8 @@ def _moves(run, step):
     a, b = (consolidated_state_dict(run / "checkpoints" / f"step_{s:08d}") for s in (step - 1, step))
     out = {}
     for role, names in {"hidden": ["layers.1.attention.wq.weight", "layers.2.feed_forward.w1.weight"],
-                        "ffn_out": ["layers.2.feed_forward.w2.weight"], "head": ["output.weight"], "norm": ["layers.0.ffn_norm.weight", "norm.weight"],
+                        "ffn_out": ["layers.2.feed_forward.w2.weight"], "head": ["output.weight"],
+                        "norm": ["layers.0.ffn_norm.weight", "norm.weight"],
                         "embedding": ["tok_embeddings.weight"]}.items():
         d = torch.cat([(b[n] - a[n]).abs().flatten() for n in names])
         out[role] = d[d > 0].median().item()  # (embedding rows of unseen tokens do not move)

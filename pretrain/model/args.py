@@ -30,8 +30,8 @@ class ModelArgs:
     parametrization: str = "sp"  # sp (standard) | mup (width transfer) | completep (width and depth): docs/mup.md
     mup_base_dim: int = 0  # mup/completep: the width whose hyperparameters were tuned (m = dim / this)
     mup_base_layers: int = 0  # completep: the depth whose hyperparameters were tuned (m_L = n_layers / this)
-    mup_base_head_dim: int = 0  # mup/completep: head_dim of the base model (0 = this head_dim; required when dim != mup_base_dim)
-    mup_base_hidden_dim: int = 0  # mup/completep: the base's SwiGLU hidden size (0 = the rule of hidden_dim at mup_base_dim)
+    mup_base_head_dim: int = 0  # mup/completep: the base's head_dim (needed when dim != mup_base_dim; 0 = this one)
+    mup_base_hidden_dim: int = 0  # mup/completep: the base's SwiGLU hidden size (0 = hidden_dim's rule at mup_base_dim)
 
     @property
     def kv_heads(self) -> int:

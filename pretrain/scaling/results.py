@@ -5,10 +5,10 @@ ones included, can be fitted too.
 A run's loss is its final `eval/loss`; a WSD-S run gives one point per decay branch
 (`branch/eval_loss`, logged at the branch's end) plus its own end. Only these ends are points: an
 evaluation in the middle of a run (train.eval_every) is taken before the rate has decayed, so it is
-not a point of the law (a decay branch's end step may even be a mid-run evaluation's step). A run dir of a sweep keeps its
-planned budgets (`scaling.budgets` in its config), so run dirs and their sweep dir give the same
-points; other run dirs have no budget (grouped by 6 N D). A point given twice (a sweep dir and one
-of its run dirs) is counted once.
+not a point of the law (a decay branch's end step may even be a mid-run evaluation's step). A
+run dir of a sweep keeps its planned budgets (`scaling.budgets` in its config), so run dirs and
+their sweep dir give the same points; other run dirs have no budget (grouped by 6 N D). A point
+given twice (a sweep dir and one of its run dirs) is counted once.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def task_points(path: Path, task: str, metrics: tuple[str, ...]):
         for row in rows:
             values = run_values(path / "runs" / row["run"], keys, row["steps"]).get(row["end_step"])
             if values:
-                yield row["params"], row["tokens"], values, row["name"], _items(_run_config(path / "runs" / row["run"]), task)
+                items = _items(_run_config(path / "runs" / row["run"]), task)
+                yield row["params"], row["tokens"], values, row["name"], items
     elif (path / "config.yaml").is_file():
         cfg = _run_config(path)
         tokens_per_step = cfg.global_batch(1) * cfg.data.seq_len
