@@ -51,7 +51,7 @@ def synthetic_source(out: Path, tokens: int) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     np.random.default_rng(0).integers(0, 4096, tokens, dtype=np.uint16).tofile(out / "tokens-00000.bin")
     meta = {"format": PREPARED_FORMAT, "tokenizer": "builtin:python-docs-bpe",
-            "tokenizer_fingerprint": dp.tokenizer_fingerprint(tok), "eot_id": dp.eot_id(tok), "vocab_size": 4096,
+            "tokenizer_fingerprint": dp.tokenizer_fingerprint(tok), "eot_id": dp.eot_id(tok, ""), "vocab_size": 4096,
             "dtype": "uint16", "tokens": tokens, "docs": 1, "empty_docs": 0,
             "source": {"path": "synthetic", "kind": "synthetic", "fingerprint": "random"},
             "shards": [{"file": "tokens-00000.bin", "tokens": tokens}]}

@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 
 CONFIG = REPO / "configs" / "tiny.yaml"
 BASE_DIM, BASE_LAYERS = 64, 2
+BASE_HEAD_DIM = 32  # configs/tiny.yaml's: models grow by heads at it
 
 
 def run_one(job: dict) -> dict:
@@ -51,7 +52,8 @@ def run_one(job: dict) -> dict:
 
     torch.set_num_threads(1)
     cfg = load_config(CONFIG, [f"model.parametrization={job['parametrization']}", f"model.mup_base_dim={BASE_DIM}",
-                               f"model.mup_base_layers={BASE_LAYERS}", f"optimizer.lr={job['lr']}",
+                               f"model.mup_base_head_dim={BASE_HEAD_DIM}", f"model.mup_base_layers={BASE_LAYERS}",
+                               f"optimizer.lr={job['lr']}",
                                f"train.max_steps={job['steps']}", f"schedule.warmup_steps={job['steps'] // 10}",
                                f"schedule.min_lr={job['lr'] / 10}", f"data.seq_len={job['seq_len']}",
                                "data.num_workers=0", *job["set"]])

@@ -62,9 +62,11 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
-def eot_id(tok: Tokenizer, spec: str = "") -> int:
+def eot_id(tok: Tokenizer, spec: str) -> int:
     """Id of the end-of-text token: `spec` (data.eot_token) if given, else the first of
-    EOT_CANDIDATES in the vocabulary."""
+    EOT_CANDIDATES in the vocabulary. The one owner of a run's end-of-text id: the documents'
+    separator, the task scoring's empty context, the export's eos token all come from here, with
+    the run's data.eot_token (no default, so that no caller can leave it out)."""
     for name in [spec] if spec else EOT_CANDIDATES:
         i = tok.token_to_id(name)
         if i is not None:

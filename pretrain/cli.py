@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=int, help="with --tasks: the first N instances of each (default: all)")
     ev.add_argument("--fewshot", type=int, default=0, help="with --tasks: examples before each instance")
     ev.add_argument("--seed", type=int, default=1234, help="with --tasks: the few-shot examples' seed")
+    ev.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                    help="dtype the model scores in: auto = bf16 on CUDA, fp32 on CPU; fp32 gives lm-eval's HFLM "
+                         "numbers on the fp32 export (docs/evaluation.md)")
     ev.add_argument("--json", help="also write the result to this JSON file")
     ev.set_defaults(fn=_eval)
 

@@ -129,7 +129,10 @@ def _eval(args, env) -> None:
     else:
         cfg = _config(path, is_hf, args.config, args.overrides, args.data)
     model, tokenizer, eot = load_for_inference(str(path), str(env.device), verified=True)
-    if env.device.type == "cuda":
+    # bf16 on CUDA by default, for speed; its log-likelihoods are not fp32's (lm-eval's HFLM on the
+    # fp32 export), which --dtype fp32 gives (docs/evaluation.md: how far apart they were).
+    args.dtype = args.dtype if args.dtype != "auto" else ("bf16" if env.device.type == "cuda" else "fp32")
+    if args.dtype == "bf16":
         model = model.to(torch.bfloat16)
     if args.tasks:
         return _eval_tasks(args, env, path, model, tokenizer, eot, suite)
@@ -139,11 +142,11 @@ def _eval(args, env) -> None:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is longer than the model's max_seq_len "
                           f"{model.args.max_seq_len}: lower data.seq_len")
     result = evaluate(model, tokenizer, cfg, env, args.batches, args.micro_batch_size, meta.get("world_size", 1))
-    result = {"model": str(path), "world_size": env.world_size, **result}
+    result = {"model": str(path), "world_size": env.world_size, "dtype": args.dtype, **result}
     if env.is_main:
         print(f"eval {path}: loss {result['loss']:.4f} | perplexity {result['perplexity']:.2f} | "
               f"bits per byte {result['bits_per_byte']:.4f} | {result['sequences']:,} sequences, "
-              f"{result['tokens']:,} tokens", flush=True)
+              f"{result['tokens']:,} tokens ({args.dtype})", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
 
@@ -161,8 +164,9 @@ def _eval_tasks(args, env, path, model, tokenizer, eot, suite) -> None:
     if env.is_main:
         for task, r in results.items():
             shown = " | ".join(f"{k} {v:.4f}" for k, v in r["metrics"].items())
-            print(f"eval {path}: {task} ({r['n']} instances, {r['format']}, {args.fewshot}-shot): {shown}", flush=True)
+            print(f"eval {path}: {task} ({r['n']} instances, {r['format']}, {args.fewshot}-shot, {args.dtype}): "
+                  f"{shown}", flush=True)
         if args.json:
-            out = {"model": str(path), "world_size": env.world_size, "fewshot": args.fewshot, "seed": args.seed,
-                   "tasks": results}
+            out = {"model": str(path), "world_size": env.world_size, "dtype": args.dtype, "fewshot": args.fewshot,
+                   "seed": args.seed, "tasks": results}
             Path(args.json).write_text(json.dumps(out, indent=1))

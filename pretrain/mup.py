@@ -22,16 +22,17 @@ log width (or depth), by least squares after the last step, is ~0 for every acti
 parametrization transfers (muP across width, CompleteP across width and depth), and grows with
 width under sp (the logits first).
 
-Why one small batch: muP scales the coherent part of an update, the part aligned with the input
-it is applied to, which grows like the width; the rest grows like its square root, and is larger
-the more tokens the update mixes (it needs width >> tokens to vanish). At widths of 64-512 that
-part is visible: under muP, block outputs drifted by a slope of about -0.2 with a fresh batch of
-256 tokens each step, and attention logits by -0.16 to -0.2 with one batch of 64-256 tokens; with
-one batch of 16-32 tokens every slope was within 0.1. So the check trains and measures on one
-batch of 32 tokens by default.
+Why one small batch: it is what microsoft/mup's `get_coord_data` does by default (fix_data), and
+it measures the update on the input it was computed from. With a fresh batch every step the
+blocks drift down with width more, the more so the more tokens a batch holds (measured with
+microsoft's loop on our model, bench/bench_mup_fresh_batches.py: block slopes -0.07 to -0.15 with
+fresh 32-token batches, -0.10 to -0.33 with 256-token ones; docs/mup.md). So the check trains and
+measures on one batch of 32 tokens by default.
 
-Written by hand (microsoft/mup's `get_coord_data` works on its
-own `MuReadout` models, not on ours); this runs on one process, without DeepSpeed, like theirs.
+Written by hand, on one process without DeepSpeed, like microsoft/mup's loop, and cross-checked
+against it: its `_get_coord_data` runs our model and optimizer unchanged and gives the same slopes
+(tests/test_mup.py::test_coordinate_check_agrees_with_microsofts). Ours adds the attention logits
+(not a module's output, so not something its hooks can see), the depth sweep and the plots.
 """
 
 from __future__ import annotations

@@ -1,21 +1,29 @@
 """AdamW with decoupled weight decay on matrices only (not on norms, biases or, by default, embeddings),
 and the optimizer half of muP / CompleteP: per-group learning-rate multipliers, epsilon and decay.
 
-Each parameter has a role: `hidden` (the attention and SwiGLU matrices), `head` (the untied LM head),
-`embedding`, `norm`. Under sp every role takes optimizer.lr and optimizer.eps, as before. With
-m = dim / mup_base_dim and m_L = n_layers / mup_base_layers (ModelArgs):
+Each parameter has a role: `hidden` (the attention matrices and SwiGLU's w1, w3), `ffn_out`
+(SwiGLU's w2), `head` (the untied LM head), `embedding`, `norm`. Under sp every role takes
+optimizer.lr and optimizer.eps, as before. With m = dim / mup_base_dim, r = hidden_dim / the base's
+(w2's fan-in multiplier: ModelArgs.ffn_width_mult) and m_L = n_layers / mup_base_layers (ModelArgs):
 
 | role      | lr multiplier | eps          | weight decay        |
 |-----------|---------------|--------------|---------------------|
-| hidden    | 1/m           | eps/m        | wd x m (lr x wd held) |
-| head      | 1             | eps          | wd                  |
-| embedding | 1             | eps          | wd if decay_embeddings, else 0 |
-| norm      | 1             | eps          | 0                   |
+| hidden    | 1/m           | eps/(m m_L)  | wd x m (lr x wd held) |
+| ffn_out   | 1/r           | eps/(m m_L)  | wd x r              |
+| head      | 1             | eps/m        | wd                  |
+| embedding | 1             | eps/m        | wd if decay_embeddings, else 0 |
+| norm      | 1             | eps/(m m_L)  | 0                   |
 
-CompleteP (alpha = 1) divides the eps of hidden matrices and norm gains by m_L as well; its learning
-rates do not depend on depth. Roles with the same settings share a group. The multiplier is the
-group's `lr_scale`: the trainer sets each group's rate to schedule(step) x lr_scale. ZeRO-3 flattens
-the parameters of a group into one tensor, so the rules must live in the groups, not on tensors.
+The rates and decays are microsoft/mup's MuAdam's (each matrix by its own fan-in ratio, which is
+not m for w2 when `multiple_of` rounds the SwiGLU width; tests/test_mup.py compares them). The eps
+follow the gradients: under muP every role's gradient shrinks as 1/m (the logits' 1/m multiplier
+scales the whole backward pass; measured slopes -0.99 to -1.03), so an unscaled eps would swamp the
+update of a wide model; CompleteP's reference (EleutherAI nanoGPT-mup) scales them so too. w2's
+gradient shrinks as 1/m, not 1/r, so its eps is the hidden one. CompleteP (alpha = 1) divides the
+eps of hidden matrices and norm gains by m_L as well; its learning rates do not depend on depth.
+Roles with the same settings share a group. The multiplier is the group's `lr_scale`: the trainer
+sets each group's rate to schedule(step) x lr_scale. ZeRO-3 flattens the parameters of a group into
+one tensor, so the rules must live in the groups, not on tensors.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import torch
 from pretrain.config import OptimizerConfig
 from pretrain.model.args import ModelArgs
 
-ROLES = ("hidden", "head", "embedding", "norm")
+ROLES = ("hidden", "ffn_out", "head", "embedding", "norm")
 
 
 def role(name: str, ndim: int) -> str:
@@ -33,22 +41,27 @@ def role(name: str, ndim: int) -> str:
         return "embedding"
     if ndim < 2:
         return "norm"
-    return "head" if name.startswith("output.") or ".output." in name else "hidden"
+    if name.startswith("output.") or ".output." in name:
+        return "head"
+    return "ffn_out" if ".feed_forward.w2." in name else "hidden"
 
 
 def group_settings(args: ModelArgs, cfg: OptimizerConfig) -> dict[str, dict]:
     """role -> {"lr_scale", "eps", "weight_decay"} for this model and optimizer config."""
-    m, m_depth = args.width_mult, args.depth_mult
+    m, r, m_depth = args.width_mult, args.ffn_width_mult, args.depth_mult
     wd, eps = cfg.weight_decay, cfg.eps
     out = {
         "hidden": {"lr_scale": 1.0, "eps": eps, "weight_decay": wd},
+        "ffn_out": {"lr_scale": 1.0, "eps": eps, "weight_decay": wd},
         "head": {"lr_scale": 1.0, "eps": eps, "weight_decay": wd},
         "embedding": {"lr_scale": 1.0, "eps": eps, "weight_decay": wd if cfg.decay_embeddings else 0.0},
         "norm": {"lr_scale": 1.0, "eps": eps, "weight_decay": 0.0},
     }
     if args.parametrization != "sp":
         out["hidden"] = {"lr_scale": 1.0 / m, "eps": eps / (m * m_depth), "weight_decay": wd * m}
-        out["norm"]["eps"] = eps / m_depth
+        out["ffn_out"] = {"lr_scale": 1.0 / r, "eps": eps / (m * m_depth), "weight_decay": wd * r}
+        out["head"]["eps"] = out["embedding"]["eps"] = eps / m
+        out["norm"]["eps"] = eps / (m * m_depth)
     return out
 
 

@@ -190,7 +190,7 @@ def _train(cfg, env, stop: StopSignal):
 
             loaded = distributed.agree(tasks.TaskSuite, cfg.train.eval_tasks, cfg.train.eval_task_limit,
                                        cfg.train.eval_task_fewshot)
-            suite = functools.partial(loaded, tokenizer=tokenizer, eot=dp.eot_id(tokenizer),
+            suite = functools.partial(loaded, tokenizer=tokenizer, eot=dp.eot_id(tokenizer, cfg.data.eot_token),
                                       max_len=model_args.max_seq_len)
         distributed.agree(ckpt.check_data, start, loader)
         check_stop()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pretrain.cli import main
-from pretrain.scaling.ladder import TaskPoint, fit_sigmoid, ladder, sigmoid
+from pretrain.scaling.ladder import TaskPoint, fit_sigmoid, ladder, moves, sigmoid
 
 LAW = {"E": 0.6, "A": 30.0, "alpha": 0.3, "B": 60.0, "beta": 0.28}  # bpb(N, D)
 SIG = {"a": 0.55, "k": -6.0, "x0": 1.2, "b": 0.25}  # accuracy from bpb
@@ -97,3 +97,43 @@ def test_bad_ladder_input_is_one_line(tmp_path, capsys, extra, message):
     assert main(["scaling", "fit", str(path), *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def _at_chance(seed, items=1000, n_points=20):
+    """n_points runs of growing size whose accuracy stays at chance (0.25): binomial noise of `items`
+    instances, while their bpb falls as the law says."""
+    rng = np.random.default_rng(seed)
+    sizes = np.geomspace(1e6, 1e8, 5)
+    tokens = np.geomspace(1e7, 1e9, n_points // 5)
+    return [TaskPoint(n, d, true_bpb(n, d) * (1 + 0.005 * rng.standard_normal()), rng.binomial(items, 0.25) / items,
+                      f"p{i}", items) for i, (n, d) in enumerate((n, d) for n in sizes for d in tokens)]
+
+
+def test_step_2_says_when_the_metric_sits_at_chance_and_predicts_nothing():
+    """20 points at 0.25 with the binomial noise of 1000 instances: the metric does not move with
+    bpb beyond its noise, so no prediction (the old check, spread < 3x the sigmoid's RMS, fired in
+    0 of 50 seeds; this one in 48 or more: 95% by construction). A real rise (the synthetic sweep
+    above, 1 point of noise) still predicts."""
+    fired = sum(m["z"] < m["needed"] for m in (moves(_at_chance(seed)) for seed in range(50)))
+    assert fired >= 45, fired
+    r = ladder(_at_chance(0), *TARGET, bootstrap=0)
+    assert r["target"]["value"] is None and r["target"]["value_interval"] == []
+    assert any("does not move with bpb beyond its sampling noise" in w for w in r["step2"]["problems"])
+    r = ladder(synthetic(), *TARGET, bootstrap=0)
+    assert r["target"]["value"] is not None and r["step2"]["moves"]["z"] > 10
+    assert not any("does not move" in w for w in r["step2"]["problems"])
+
+
+def test_the_cli_gives_no_number_for_a_metric_at_chance(tmp_path, capsys, caplog):
+    path = tmp_path / "noise.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["params", "tokens", "bpb", "acc_norm", "n"])
+        for p in _at_chance(0):
+            w.writerow([p.params, p.tokens, p.bpb, p.value, p.items])
+    assert main(["scaling", "fit", str(path), "--target", "hellaswag/acc_norm", "--params", "1e8", "--tokens", "2e9",
+                 "--bootstrap", "0"]) == 2
+    out, err = capsys.readouterr()
+    assert "hellaswag/acc_norm none (it does not move with bpb beyond its noise" in out
+    assert "binomial SE 0.0137 of 1000 instances" in caplog.text
+    assert err.strip().splitlines()[-1].startswith("pretrain: error: no prediction of hellaswag/acc_norm")

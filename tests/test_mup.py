@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 LR = 1e-3
 # m = dim / mup_base_dim = 4, m_L = n_layers / mup_base_layers = 2
 COMPLETEP = ["model.parametrization=completep", "model.mup_base_dim=32", "model.mup_base_layers=2",
-             "model.dim=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2"]
+             "model.mup_base_head_dim=32", "model.dim=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2"]
 # Adam with beta1 = beta2 = 0, no decay and no clipping moves each weight by its group's rate x
 # g / (|g| + eps): by the rate wherever the gradient is not tiny.
 SIGN_STEPS = [f"optimizer.lr={LR}", "optimizer.beta1=0", "optimizer.beta2=0", "optimizer.weight_decay=0",
@@ -35,8 +35,9 @@ def _moves(run, step):
 
     a, b = (consolidated_state_dict(run / "checkpoints" / f"step_{s:08d}") for s in (step - 1, step))
     out = {}
-    for role, names in {"hidden": ["layers.1.attention.wq.weight", "layers.2.feed_forward.w2.weight"],
-                        "head": ["output.weight"], "norm": ["layers.0.ffn_norm.weight", "norm.weight"],
+    for role, names in {"hidden": ["layers.1.attention.wq.weight", "layers.2.feed_forward.w1.weight"],
+                        "ffn_out": ["layers.2.feed_forward.w2.weight"], "head": ["output.weight"],
+                        "norm": ["layers.0.ffn_norm.weight", "norm.weight"],
                         "embedding": ["tok_embeddings.weight"]}.items():
         d = torch.cat([(b[n] - a[n]).abs().flatten() for n in names])
         out[role] = d[d > 0].median().item()  # (embedding rows of unseen tokens do not move)
@@ -58,6 +59,7 @@ def test_the_groups_rates_reach_the_optimizer_on_the_users_path_and_after_a_resu
     for step in (2, 3):  # 2 ranks; 1 rank after the universal resume
         moved = _moves(completep_run, step)
         assert moved["hidden"] == pytest.approx(LR / 4, rel=0.02), (step, moved)  # lr / m
+        assert moved["ffn_out"] == pytest.approx(LR / 3, rel=0.02), (step, moved)  # lr / r: SwiGLU 384 / 128
         for role in ("head", "norm", "embedding"):
             assert moved[role] == pytest.approx(LR, rel=0.02), (step, role, moved)
     records = {r["step"]: r for r in read_metrics(completep_run) if "train/loss" in r}
@@ -68,13 +70,15 @@ def test_the_groups_rates_reach_the_optimizer_on_the_users_path_and_after_a_resu
 
 
 def test_the_groups_eps_and_decay_are_in_the_saved_optimizer_state(completep_run):
-    """eps / (m m_L) for hidden matrices and / m_L for norms; decay x m (here 0 x 4)."""
+    """eps / (m m_L) for hidden matrices (w2 too) and norms, / m for the head and the embedding;
+    decay x m, x r for w2 (here 0)."""
     [shard] = (completep_run / "checkpoints" / "step_00000003").glob("*optim_states.pt")  # (bf16_ at bf16)
     groups = torch.load(shard, map_location="cpu", weights_only=False)["optimizer_state_dict"][
         "optimizer_state_dict"]["param_groups"]
-    assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.0, 0.0]
+    assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.0, 0.0, 0.0]
     settings = sorted((g["lr_scale"], g["eps"]) for g in groups)
-    assert settings == [(0.25, pytest.approx(1e-12 / 8)), (1.0, pytest.approx(1e-12)), (1.0, pytest.approx(1e-12 / 2))]
+    assert settings == [(0.25, pytest.approx(1e-12 / 8)), (pytest.approx(1 / 3), pytest.approx(1e-12 / 8)),
+                        (1.0, pytest.approx(1e-12 / 8)), (1.0, pytest.approx(1e-12 / 4))]
 
 
 def test_a_resume_with_another_parametrization_is_refused(completep_run):
@@ -130,6 +134,9 @@ def test_the_export_folds_the_multipliers(tmp_path, mup_checkpoint, monkeypatch)
     assert evals[0] == pytest.approx(evals[1], rel=1e-5)
 
 
+MUP_64 = ["model.parametrization=mup", "model.mup_base_dim=64", "model.mup_base_head_dim=32"]  # tiny's head_dim
+
+
 def _check(tmp_path, *args):
     out = tmp_path / "check.json"
     proc = subprocess.run([sys.executable, "-m", "pretrain", "mup", "check", str(TINY), *args, "--json", str(out),
@@ -141,7 +148,7 @@ def _check(tmp_path, *args):
 def test_coordinate_check_across_width(tmp_path):
     """Widths 64-512: under muP every activation's log-log slope is within 0.1 of 0; under sp
     (the negative control) the logits grow faster than width^0.3, and the blocks faster still."""
-    mup = _check(tmp_path, "model.parametrization=mup", "model.mup_base_dim=64", "--widths", "64,128,256,512")
+    mup = _check(tmp_path, *MUP_64, "--widths", "64,128,256,512")
     assert mup["parametrization"] == "mup" and mup["widths"] == [64, 128, 256, 512]
     assert set(mup["slopes"]) == {"embedding", "logits"} | {f"{k}.{i}" for k in ("attn_logits", "block") for i in range(4)}
     assert max(abs(s) for s in mup["slopes"].values()) < 0.1, mup["slopes"]
@@ -154,15 +161,64 @@ def test_coordinate_check_across_width(tmp_path):
 def test_coordinate_check_across_depth(tmp_path):
     """Depths 2-8 at width 128: under CompleteP every slope is within 0.1 of 0; under muP, which
     does not scale the residual branches, the residual stream grows with depth."""
-    cp = _check(tmp_path, "model.parametrization=completep", "model.mup_base_dim=64", "model.mup_base_layers=2",
-                "--widths", "", "--depths", "2,4,8")
+    cp = _check(tmp_path, "model.parametrization=completep", "model.mup_base_dim=64", "model.mup_base_head_dim=32",
+                "model.mup_base_layers=2", "--widths", "", "--depths", "2,4,8")
     assert cp["depths"] == [2, 4, 8] and "slopes" not in cp
     assert set(cp["depth_slopes"]) == {"embedding", "logits", "attn_logits.first", "attn_logits.half",
                                        "block.half", "block.last"}
     assert max(abs(s) for s in cp["depth_slopes"].values()) < 0.1, cp["depth_slopes"]
     assert (tmp_path / "coord_check_depth.png").is_file()
-    mup = _check(tmp_path, "model.parametrization=mup", "model.mup_base_dim=64", "--widths", "", "--depths", "2,4,8")
+    mup = _check(tmp_path, *MUP_64, "--widths", "", "--depths", "2,4,8")
     assert mup["depth_slopes"]["block.last"] > 0.3, mup["depth_slopes"]
+
+
+def test_coordinate_check_agrees_with_microsofts(tmp_path):
+    """microsoft/mup's own coordinate-check loop (`mup.coord_check._get_coord_data`) runs our model
+    and our optimizer groups unchanged (no MuReadout needed): with the same seeds, batch and steps,
+    its RMS of the embedding, block and logit outputs gives the same slopes across width as
+    `pretrain mup check` (within 0.05; measured: equal to 6 decimals), under muP and under sp."""
+    import dataclasses
+
+    coord = pytest.importorskip("mup.coord_check")
+    from pretrain import mup as check
+    from pretrain.config import load_config
+    from pretrain.model.model import Transformer
+    from pretrain.optim import build_optimizer, set_lr
+
+    widths, steps, seeds = [64, 128, 256, 512], 5, 3
+    for over in (MUP_64, []):
+        over = [*over, "train.seed=0"]
+        ours = check.check(str(TINY), over, widths, [], steps=steps, seeds=seeds)
+        cfg = load_config(TINY, over)
+        (inputs, labels), vocab = check._batch(cfg, 2, 16)
+        base = dataclasses.replace(cfg.model, vocab_size=vocab)
+        calls = {w: 0 for w in widths}
+
+        def lazy(width):
+            def build():  # seeded as our check seeds each model (microsoft seeds once per seed, all widths)
+                torch.manual_seed(calls[width])
+                calls[width] += 1
+                model = Transformer(check.sized(base, "dim", width))
+                model.init_weights()
+                return model
+            return build
+
+        def optimizer(model):
+            opt = build_optimizer(model, cfg.optimizer, torch.device("cpu"))
+            set_lr(opt, cfg.optimizer.lr)
+            return opt
+
+        names = {"tok_embeddings": "embedding", "output": "logits", **{f"layers.{i}": f"block.{i}" for i in range(4)}}
+        # it records a step's forward before that step's update: step t + 1 sees the weights after t updates
+        df = coord._get_coord_data({w: lazy(w) for w in widths}, [(inputs, labels.reshape(-1))], optimizer,
+                                   nsteps=steps + 1, flatten_output=True, cuda=False, nseeds=seeds,
+                                   filter_module_by_name=lambda n: n in names, show_progress=False,
+                                   output_fdict={"rms": lambda x: x.float().pow(2).mean().sqrt()})
+        last = df[df.t == steps + 1].groupby(["module", "width"])["rms"].mean()
+        theirs = {key: check.slope(widths, [last[(module, w)] for w in widths]) for module, key in names.items()}
+        print(over[:-1] or "sp", {k: (round(v, 4), round(v - ours["slopes"][k], 6)) for k, v in theirs.items()})
+        for key, slope in theirs.items():
+            assert slope == pytest.approx(ours["slopes"][key], abs=0.05), (over, key, slope, ours["slopes"][key])
 
 
 @pytest.mark.parametrize("args,message", [

@@ -591,3 +591,29 @@ def test_a_signal_during_a_decay_branch_reruns_the_branch_on_resume(tmp_path):
     assert branch == want and branch["step"] == 8 and "branch/eval_loss" in branch
     final = [[r["eval/loss"] for r in read_metrics(d) if "eval/loss" in r] for d in (run, straight)]
     assert final[0] == final[1] and len(final[0]) == 1
+
+
+def test_only_the_ends_of_a_run_and_its_decay_branches_are_points(tmp_path):
+    """A WSD-S run (decay branch ending at step 4, run end 8) evaluated every 2 steps: its mid-run
+    evaluations (steps 2, 4, 6: before the rate decayed) are not points, and the one at step 4,
+    logged after the branch that ends there, does not replace the branch's (annealed) value.
+    The old rule took every evaluation: points at steps 2, 4 (the mid-run value), 6, 8."""
+    from pretrain.model.model import matmul_params
+    from pretrain.scaling import ladder, results
+
+    cfg = load_config(TINY, ["model.vocab_size=4096", "schedule.kind=wsd", "schedule.warmup_steps=1",
+                             "train.max_steps=8", "schedule.decay_points=[4]", "train.eval_every=2",
+                             "train.eval_tasks=[mine.jsonl]"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    mid = lambda step, v: {"step": step, "eval/loss": v, "eval/mine/acc": v / 10, "eval/mine/bpb": v}  # noqa: E731
+    records = [mid(2, 5.0), {"step": 2, "branch/end_step": 4, "branch/eval_loss": 3.0, "branch/mine/acc": 0.3,
+                             "branch/mine/bpb": 3.0}, mid(4, 4.0), mid(6, 3.5), mid(8, 2.0)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    tokens = cfg.global_batch(1) * cfg.data.seq_len
+    assert [(p.tokens, p.loss) for p in results.from_run(run)] == [(4 * tokens, 3.0), (8 * tokens, 2.0)]
+    assert results.run_losses(run, 8) == {4: 3.0, 8: 2.0}
+    points = ladder.collect([str(run)], "mine/acc")
+    n = matmul_params(cfg.model)
+    assert [(p.params, p.tokens, p.bpb, p.value) for p in points] == [(n, 4 * tokens, 3.0, 0.3), (n, 8 * tokens, 2.0, 0.2)]

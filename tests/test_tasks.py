@@ -12,6 +12,7 @@ import pytest
 
 from helpers import REPO, free_port, run_train, train_env
 from pretrain.cli import main
+from pretrain.errors import UserError
 from pretrain.tasks import Instance, load, metrics
 from pretrain.tasks.scoring import encode_pair
 
@@ -48,6 +49,138 @@ def test_pairs_are_encoded_as_lm_eval_encodes_them():
     assert encode_pair(tok, 0, "", " list") == ([0], tok.encode(" list").ids)
 
 
+def test_an_empty_choice_is_scored_as_lm_eval_scores_it(tmp_path):
+    """acc and acc_norm of lm-eval's own multiple-choice task (its process_results) on the same
+    log-likelihoods, empty choices included: lm-eval divides an empty choice's ll by 0 (-inf, never
+    chosen; nan, which argmax picks, for an ll of exactly 0). We gave it its raw ll (0.2 against 1.0
+    in the issue's case)."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.task import ConfigurableTask
+
+    (tmp_path / "mc.jsonl").write_text(json.dumps({"q": "Q:", "choices": ["a", "b"], "gold": 0}) + "\n")
+    task = ConfigurableTask(config={
+        "task": "mc", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(tmp_path / "mc.jsonl")}},
+        "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{q}}", "doc_to_choice": "{{choices}}",
+        "doc_to_target": "{{gold}}", "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}]})
+    rng = random.Random(0)
+    cases = [(["abcd", "", "cc", "e"], [-2.0, -1.0, -3.5, -1.9]), (["abcd", "", "cc"], [-2.0, 0.0, -3.5])]
+    for _ in range(200):
+        k = rng.randint(2, 5)
+        cases.append(([rng.choice(["", "x", "yy", "zzzz"]) for _ in range(k)],
+                      [rng.choice([0.0, -round(rng.uniform(0, 8), 1)]) for _ in range(k)]))
+    for choices, lls in cases:
+        for gold in range(len(choices)):
+            want = task.process_results({"q": "Q:", "choices": choices, "gold": gold}, [(ll, False) for ll in lls])
+            got = metrics(Instance("multiple_choice", ["Q:"], [" " + c for c in choices], gold, choices), lls,
+                          [False] * len(lls))
+            assert (got["acc"], got["acc_norm"]) == (want["acc"], want["acc_norm"]), (choices, lls, gold)
+
+
+def test_raw_line_separators_inside_json_strings_are_read(tmp_path):
+    """JSON allows U+2028, U+2029 and U+0085 raw inside strings (json.dumps(..., ensure_ascii=False)
+    writes them so); str.splitlines() split the line there ("not a JSON object")."""
+    rows = [{"context": "one\u2028two", "choices": ["a\u0085b", "c"], "gold": 0},
+            {"context": "x\u2029y", "continuation": " z"}]
+    path = tmp_path / "sep.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    mc, cloze = load(str(path))[0]
+    assert mc.contexts == ["one\u2028two"] and mc.choices == ["a\u0085b", "c"] and cloze.contexts == ["x\u2029y"]
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"context": "Q:", "choices": "ab", "gold": 0}, "choices 'ab' is not a list"),
+    ({"context": "Q:", "choices": ["a", "b"], "gold": True}, "gold True is not the index of a choice"),
+    ({"context": "Q:", "choices": ["a", "b"], "gold": 1.7}, "gold 1.7 is not the index of a choice"),
+    ({"context": "  \n", "choices": ["a", "b"], "gold": 0}, "the context '  \\n' is only whitespace"),
+    ({"context": "It was", "continuation": ""}, "the continuation is empty"),
+])
+def test_bad_rows_of_a_plain_file_are_one_line(tmp_path, capsys, row, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"context": "Q:", "choices": ["a", "b"], "gold": 1}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(UserError) as e:
+        load(str(path))
+    assert message in str(e.value) and "row 1" in str(e.value) and "\n" not in str(e.value).replace("\\n", ""), e.value
+
+
+def test_a_bad_line_of_a_hub_schema_file_names_the_reason(tmp_path):
+    path = tmp_path / "piqa.jsonl"
+    path.write_text('{"goal": "g", "sol1": "a", "sol2": "b", "label": 0}\n{"goal": "g",, "sol1": "a"}\n')
+    with pytest.raises(UserError, match=r"could not read .*piqa.jsonl: JSON parse error: .* in row 1$"):
+        load(f"piqa={path}")
+
+
+def _tiny_model(tok):
+    import torch
+
+    from pretrain.model.args import ModelArgs
+    from pretrain.model.model import Transformer
+
+    torch.manual_seed(0)
+    return Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=tok.get_vocab_size(), max_seq_len=64)).eval()
+
+
+def test_requests_the_model_cannot_score_are_one_line_and_cut_contexts_are_warned_of(tmp_path, caplog):
+    """A cloze continuation longer than the model's context is one line before any forward (it was
+    an IndexError); a context cut from the left to fit (as lm-eval cuts it) is warned of."""
+    import torch
+
+    from data_pipeline.tokenizer import load_tokenizer
+    from pretrain.tasks import TaskSuite
+
+    tok = load_tokenizer("builtin:python-docs-bpe")
+    words = " the value of a list is returned by the function" * 4
+    (tmp_path / "long.jsonl").write_text(json.dumps({"context": "It", "continuation": words}) + "\n")
+    suite = TaskSuite([str(tmp_path / "long.jsonl")])
+    with pytest.raises(UserError, match=r"task long, instance 0: the continuation .* is \d+ tokens, more than the "
+                                        r"model's context of 16"):
+        suite(lambda t: pytest.fail("no forward before the check"), torch.device("cpu"), tokenizer=tok, eot=0,
+              max_len=16)
+    (tmp_path / "cut.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"context": words, "continuation": " module"}, {"context": "Import a", "continuation": " module"}]))
+    model = _tiny_model(tok)
+    with caplog.at_level("WARNING"):
+        r = TaskSuite([str(tmp_path / "cut.jsonl")])(model, torch.device("cpu"), tokenizer=tok, eot=0, max_len=16)["cut"]
+    assert r["truncated"] == 1 and [i["truncated"] for i in r["instances"]] == [True, False]
+    assert "cut: 1 of 2 instance(s) are longer than the model's context of 16 tokens" in caplog.text
+
+
+def test_few_shot_examples_come_from_every_row_never_the_instance_itself(tmp_path):
+    """--limit 3 --fewshot 3 with 15 rows: the pool is the 15 rows (limit shrank it to 3 and refused
+    "has 3 examples"); an instance never demonstrates itself; where the pool came from is said."""
+    from pretrain.tasks.scoring import fewshot_prefix
+
+    rows = [{"context": f"Q{i}:", "choices": [f"a{i}", f"b{i}"], "gold": 0} for i in range(15)]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    instances, pool, where = load(str(path), limit=3, fewshot=3)
+    assert len(instances) == 3 and len(pool) == 15 and where == f"{path}, the scored rows themselves: 15 examples"
+    for i, inst in enumerate(instances):
+        for seed in range(30):
+            shots = fewshot_prefix(i, "mine", pool, 14, seed, exclude=inst)
+            assert shots.count("Q") == 14 and f"Q{i}:" not in shots
+    with pytest.raises(UserError, match="has 14 examples to draw from .* less the one scored"):
+        load(str(path), fewshot=15)
+
+
+def test_a_hub_task_whose_few_shot_split_fails_says_so(monkeypatch):
+    """arc_easy's few-shot pool is its train split: when that fails to load, one line (it silently
+    drew from the scored test split)."""
+    import datasets
+
+    row = {"id": "q", "question": "Why?", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "answerKey": "A"}
+
+    def fake(hub, config=None, split=None, **kw):
+        if split == "train":
+            raise ConnectionError("no network")
+        return [dict(row, id=f"q{i}") for i in range(5)]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    assert len(load("arc_easy")[0]) == 5
+    with pytest.raises(UserError, match=r"could not read allenai/ai2_arc \(train\) \(the few-shot pool of --fewshot 2; "
+                                        r"--fewshot 0 needs no pool\): no network"):
+        load("arc_easy", fewshot=2)
+
+
 def _rows(rng):
     words = "the value of a list is returned by function class method module string error import".split()
     sent = lambda n: " ".join(rng.choice(words) for _ in range(n))  # noqa: E731
@@ -81,19 +214,19 @@ def task_files(tmp_path_factory):
 
 
 def test_hub_schemas_are_prompted_as_lm_eval_prompts_them(task_files):
-    [h, *_], _ = load(f"hellaswag={task_files / 'hellaswag.jsonl'}")
+    [h, *_], *_ = load(f"hellaswag={task_files / 'hellaswag.jsonl'}")
     row = json.loads((task_files / "hellaswag.jsonl").read_text().splitlines()[0])
     assert h.contexts == [f"Python: {row['ctx_a']} {row['ctx_b'].capitalize()}"]
     assert "[title]" not in h.continuations[0] and ". " in h.continuations[0] and h.gold == 0
-    [a, *_], _ = load(f"arc_challenge={task_files / 'arc_challenge.jsonl'}", limit=1)
+    [a, *_], *_ = load(f"arc_challenge={task_files / 'arc_challenge.jsonl'}", limit=1)
     assert a.contexts[0].startswith("Question: ") and a.contexts[0].endswith("?\nAnswer:") and a.gold == 0
-    [w, *_], _ = load(f"winogrande={task_files / 'winogrande.jsonl'}")
+    [w, *_], *_ = load(f"winogrande={task_files / 'winogrande.jsonl'}")
     assert w.format == "schema" and len(w.contexts) == 2 and w.continuations[0].startswith(" ")
-    [s, *_], _ = load(f"sciq={task_files / 'sciq.jsonl'}")
+    [s, *_], *_ = load(f"sciq={task_files / 'sciq.jsonl'}")
     assert s.gold == 3 and "\nQuestion: " in s.contexts[0] and not s.contexts[0].startswith(" ")
-    [lam, *_], _ = load(f"lambada_openai={task_files / 'lambada_openai.jsonl'}")
+    [lam, *_], *_ = load(f"lambada_openai={task_files / 'lambada_openai.jsonl'}")
     assert lam.format == "cloze" and len(lam.contexts[0].split()) == 24
-    mine, _ = load(str(task_files / "mine.jsonl"))
+    mine, *_ = load(str(task_files / "mine.jsonl"))
     assert [m.format for m in mine[:3]] == ["multiple_choice", "schema", "cloze"]
     assert len(load(str(task_files / "mine.jsonl"), limit=4)[0]) == 4
 
@@ -192,6 +325,20 @@ def test_task_scores_equal_lm_evaluation_harness(trained, task_files, tmp_path, 
 
 
 @pytest.mark.slow
+def test_the_scoring_dtype_is_chosen_and_said(trained, task_files):
+    """`pretrain eval --tasks` scores in fp32 on the CPU (what lm-eval's HFLM does on the fp32
+    export: the equality above), bf16 with --dtype bf16 (CUDA's default), and says which."""
+    spec = f"arc_easy={task_files / 'arc_easy.jsonl'}"
+    fp32, bf16 = _eval(str(trained), "--tasks", spec), _eval(str(trained), "--tasks", spec, "--dtype", "bf16")
+    assert (fp32["dtype"], bf16["dtype"]) == ("fp32", "bf16")
+    assert _eval(str(trained), "--tasks", spec, "--dtype", "fp32")["tasks"] == fp32["tasks"]
+    gaps = [abs(a - b) for x, y in zip(fp32["tasks"]["arc_easy"]["instances"], bf16["tasks"]["arc_easy"]["instances"])
+            for a, b in zip(x["lls"], y["lls"])]
+    print(f"bf16 - fp32 log-likelihoods: max {max(gaps):.4f}, mean {sum(gaps) / len(gaps):.4f} nats")
+    assert 0 < max(gaps) < 1.0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case,message", [
     ("unknown", "unknown task 'hellaswagg'; tasks: hellaswag, arc_easy"),
     ("schema", "row 0 is not in the task's schema (no ctx_a, ctx_b, activity_label, endings): it needs the fields"),
@@ -264,3 +411,23 @@ def test_task_points_of_a_run_feed_the_ladder(task_files, tmp_path):
     n = matmul_params(load_config(sorted((run / "checkpoints").glob("step_*"))[-1] / "config.yaml").model)
     assert [(p.params, p.tokens) for p in points] == [(n, 3 * 8 * 64), (n, 6 * 8 * 64)]
     assert all(0 < p.bpb < 10 and 0 <= p.value <= 1 for p in points)
+
+
+@pytest.mark.slow
+def test_in_loop_tasks_use_the_runs_end_of_text_token(tmp_path):
+    """Trained with data.eot_token=Ġthe, the in-loop scores of instances with an empty context
+    (scored after the end-of-text token) equal `pretrain eval` of the same weights, which reads the
+    token from the checkpoint's config. In-loop scoring used the vocabulary's default token before:
+    its loss differed (39.2 against 37.9 in the issue's run)."""
+    from helpers import read_metrics
+
+    (tmp_path / "empty.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"context": "", "continuation": " the value is returned"},
+        {"context": "", "choices": ["list", "string of characters"], "gold": 1}]))
+    run = tmp_path / "run"
+    spec = str(tmp_path / "empty.jsonl")
+    run_train(SMALL + ["train.max_steps=3", "data.eot_token=Ġthe", f"train.eval_tasks=[{spec}]", f"train.run_dir={run}"])
+    [final] = [r for r in read_metrics(run) if "eval/empty/loss" in r]
+    cli = _eval(str(run), "--tasks", spec)["tasks"]["empty"]["metrics"]
+    for k, v in cli.items():
+        assert final[f"eval/empty/{k}"] == pytest.approx(v, rel=1e-5, abs=1e-6), k

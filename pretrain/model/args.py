@@ -30,7 +30,8 @@ class ModelArgs:
     parametrization: str = "sp"  # sp (standard) | mup (width transfer) | completep (width and depth): docs/mup.md
     mup_base_dim: int = 0  # mup/completep: the width whose hyperparameters were tuned (m = dim / this)
     mup_base_layers: int = 0  # completep: the depth whose hyperparameters were tuned (m_L = n_layers / this)
-    mup_base_head_dim: int = 0  # mup/completep: head_dim of the base model (0 = this head_dim: width grows by heads)
+    mup_base_head_dim: int = 0  # mup/completep: the base's head_dim (needed when dim != mup_base_dim; 0 = this one)
+    mup_base_hidden_dim: int = 0  # mup/completep: the base's SwiGLU hidden size (0 = hidden_dim's rule at mup_base_dim)
 
     @property
     def kv_heads(self) -> int:
@@ -43,9 +44,10 @@ class ModelArgs:
     @property
     def hidden_dim(self) -> int:
         """SwiGLU hidden size: 2/3 * 4 * dim, scaled, rounded up to `multiple_of` (Llama rule)."""
-        if self.ffn_hidden_dim:
-            return self.ffn_hidden_dim
-        hidden = int(2 * 4 * self.dim / 3)
+        return self.ffn_hidden_dim or self._llama_hidden(self.dim)
+
+    def _llama_hidden(self, dim: int) -> int:
+        hidden = int(2 * 4 * dim / 3)
         if self.ffn_dim_multiplier:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
@@ -58,6 +60,15 @@ class ModelArgs:
     def width_mult(self) -> float:
         """m = dim / mup_base_dim (1 under sp)."""
         return self.dim / self.mup_base_dim if self.parametrization != "sp" else 1.0
+
+    @property
+    def ffn_width_mult(self) -> float:
+        """w2's own width multiplier: its fan-in (hidden_dim) over the base's SwiGLU hidden size
+        (1 under sp). Not m: `multiple_of` rounding (or an explicit ffn_hidden_dim) breaks the
+        ratio, e.g. 1408 / 192 = 7.33 at dim 512 from base 64 with multiple_of 64, where m = 8."""
+        if self.parametrization == "sp":
+            return 1.0
+        return self.hidden_dim / (self.mup_base_hidden_dim or self._llama_hidden(self.mup_base_dim))
 
     @property
     def depth_mult(self) -> float:
@@ -91,10 +102,18 @@ class ModelArgs:
 
     @property
     def out_init_std(self) -> float:
-        """Init std of the output projections (wo, w2): the hidden std / sqrt(2 L); L is the base
-        depth under completep, whose residual multiplier does the scaling in depth."""
-        layers = self.mup_base_layers if self.parametrization == "completep" else self.n_layers
-        return self.hidden_init_std / math.sqrt(2 * layers)
+        """Init std of the attention's output projection wo: the hidden std / sqrt(2 L); L is the
+        base depth under completep, whose residual multiplier does the scaling in depth."""
+        return self.hidden_init_std / math.sqrt(2 * self._init_layers)
+
+    @property
+    def ffn_out_init_std(self) -> float:
+        """Init std of w2: as wo's, with its own fan-in multiplier (ffn_width_mult) for m."""
+        return self.init_std / math.sqrt(self.ffn_width_mult) / math.sqrt(2 * self._init_layers)
+
+    @property
+    def _init_layers(self) -> int:
+        return self.mup_base_layers if self.parametrization == "completep" else self.n_layers
 
     def parametrization_spec(self) -> dict:
         """What the multipliers depend on besides the shape; checkpoints record it (a muP model's
@@ -145,6 +164,13 @@ class ModelArgs:
         if not self.mup_base_dim:
             out.append(f"model.parametrization={p} needs model.mup_base_dim: the width whose hyperparameters "
                        f"you tuned (model.dim={self.dim} if it is this one)")
+        if self.mup_base_dim and self.dim != self.mup_base_dim and not self.mup_base_head_dim:
+            # (0 meant "this model's head_dim": a family that grows head_dim silently got sp's attention scale)
+            out.append(f"model.parametrization={p} at model.dim={self.dim} (not the base's {self.mup_base_dim}) needs "
+                       f"model.mup_base_head_dim: the base's head_dim (model.mup_base_head_dim={self.head_dim} if the "
+                       "family grows by heads at this head_dim)")
+        if self.mup_base_hidden_dim < 0:
+            out.append(f"model.mup_base_hidden_dim={self.mup_base_hidden_dim} must be >= 0")
         if p == "completep" and not self.mup_base_layers:
             out.append(f"model.parametrization=completep needs model.mup_base_layers: the depth whose "
                        f"hyperparameters you tuned (model.n_layers={self.n_layers} if it is this one)")

@@ -201,11 +201,11 @@ class TransformerBlock(nn.Module):
         h = x + self.residual_scale * a
         return h + self.residual_scale * self.feed_forward(self.ffn_norm(h))
 
-    def init_weights(self, std: float, out_std: float) -> None:
+    def init_weights(self, std: float, out_std: float, ffn_out_std: float) -> None:
         self.attention_norm.init_weights()
         self.attention.init_weights(std, out_std)
         self.ffn_norm.init_weights()
-        self.feed_forward.init_weights(std, out_std)
+        self.feed_forward.init_weights(std, ffn_out_std)
 
 
 class Transformer(nn.Module):
@@ -278,8 +278,9 @@ class Transformer(nn.Module):
 
         Seed right before calling: the same seed on the same device gives the same weights.
         Embeddings and the untied LM head ~ N(0, init_std); input projections (wq wk wv w1 w3) ~
-        N(0, hidden_init_std); output projections (wo, w2) ~ N(0, out_init_std); norms = 1. Under
-        sp those are init_std and init_std / sqrt(2 * n_layers); ModelArgs has mup's and completep's.
+        N(0, hidden_init_std); output projections wo ~ N(0, out_init_std), w2 ~ N(0, ffn_out_init_std);
+        norms = 1. Under sp those are init_std and init_std / sqrt(2 * n_layers); ModelArgs has mup's
+        and completep's.
         `gather(params)` is entered
         around each group it touches (embedding, each block, final norm + head), so ZeRO-3 can pass
         `lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0)` for a partitioned model.
@@ -291,7 +292,7 @@ class Transformer(nn.Module):
         # Found via modules(), so blocks wrapped for activation checkpointing or compile are reached too.
         for block in [m for m in self.modules() if isinstance(m, TransformerBlock)]:
             with gather(list(block.parameters())):
-                block.init_weights(hidden_std, out_std)
+                block.init_weights(hidden_std, out_std, self.args.ffn_out_init_std)
         tail = [self.norm.weight] + ([] if self.args.tie_embeddings else [self.output.weight])
         with gather(tail):
             self.norm.init_weights()

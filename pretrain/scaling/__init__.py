@@ -96,14 +96,19 @@ def ladder_cli(args) -> None:
         log.warning("warning: step 2: %s", w)
     ci = lambda k: (f" (95% interval {t[k + '_interval'][0]:.4g} - {t[k + '_interval'][1]:.4g}, "  # noqa: E731
                     f"{t['bootstrap']} resamples)" if t[k + "_interval"] else "")
+    shown = (f"{t['value']:.4f}{ci('value')}" if t["value"] is not None
+             else "none (it does not move with bpb beyond its noise: step 2's warning)")
     print(f"at N = {t['params']:.4g}, D = {t['tokens']:.4g}: {task}/bpb {t['bpb']:.4f}{ci('bpb')}, "
-          f"{args.target} {t['value']:.4f}{ci('value')}")
+          f"{args.target} {shown}")
     if args.json:
         try:
             with open(args.json, "w") as f:
                 json.dump({**r, "points": [vars(p) for p in points], "target_metric": args.target}, f, indent=1)
         except OSError as e:
             raise UserError(f"--json {args.json}: {e.strerror}") from None
+    if t["value"] is None:
+        raise L.FitError(f"no prediction of {args.target}: it does not move with bpb beyond its sampling noise "
+                         "(step 2 above); the fits are what was found")
 
 
 def fit_cli(args) -> None:

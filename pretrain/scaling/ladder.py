@@ -4,15 +4,19 @@ from a sweep of small runs, in two steps.
 1. (N, D) -> the task's bits per byte of the gold answer (`TASK/bpb`, smooth in scale), with the
    parametric law bpb(N, D) = E + A / N^alpha + B / D^beta, fitted as the loss law is (fit.py).
 2. bpb -> the task metric (`TASK/acc`, `TASK/acc_norm`, ...) with a sigmoid,
-   metric = a / (1 + exp(-k (bpb - x0))) + b: flat at chance for a model that knows nothing (b + a,
-   high bpb), rising as bpb falls, flat again near its ceiling (b). k < 0.
+   metric = a / (1 + exp(-k (bpb - x0))) + b: flat at chance for a model that knows nothing (b, its
+   floor, at high bpb), rising as bpb falls, flat again near its ceiling (a + b). k < 0.
 
 The prediction at a target (N, D) is step 2 at step 1's bpb; its 95% interval comes from
-bootstrap resamples of the points, both steps refitted on each.
+bootstrap resamples of the points, both steps refitted on each. Step 2 gives no prediction when
+the metric does not move with bpb beyond its sampling noise (`moves`): a sigmoid through noise
+at chance is as tight as one through a rise, and says nothing.
 
-Points: each run's final evaluation and each WSD-S branch end (`eval/TASK/METRIC`,
-`branch/TASK/METRIC`: train.eval_tasks, docs/evaluation.md), from sweep dirs or run dirs, or a CSV
-with the columns params,tokens,bpb,<metric> (the metric's own name, e.g. acc_norm).
+Points: only annealed ends, each run's final evaluation and each WSD-S branch end
+(`eval/TASK/METRIC`, `branch/TASK/METRIC`: train.eval_tasks, docs/evaluation.md; mid-run
+evaluations are left out: results.run_values), from sweep dirs or run dirs, or a CSV with the
+columns params,tokens,bpb,<metric> (the metric's own name, e.g. acc_norm) and optionally n (the
+instances scored, for the metric's binomial noise).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class TaskPoint:
     bpb: float
     value: float  # the task metric (accuracy)
     name: str = ""
+    items: int = 0  # instances the metric is the mean of (0: unknown)
 
 
 def parse_target(target: str) -> tuple[str, str]:
@@ -55,8 +60,8 @@ def collect(inputs: list[str], target: str) -> list[TaskPoint]:
         if p.is_file() and p.suffix == ".csv":
             points += _from_csv(p, metric)
             continue
-        for n, d, values, name in results.task_points(p, task, (metric, "bpb")):
-            points.append(TaskPoint(n, d, values["bpb"], values[metric], name))
+        for n, d, values, name, items in results.task_points(p, task, (metric, "bpb")):
+            points.append(TaskPoint(n, d, values["bpb"], values[metric], name, items))
     if not points:
         raise FitError(f"no points of {target}: the runs logged no eval/{task}/{metric} (train.eval_tasks, "
                        "docs/evaluation.md)")
@@ -75,7 +80,8 @@ def _from_csv(path: Path, metric: str) -> list[TaskPoint]:
                            f"params,tokens,bpb,{metric}")
         try:
             return [TaskPoint(float(r["params"]), float(r["tokens"]), float(r["bpb"]), float(r[metric]),
-                              r.get("name") or f"{path.name}:{i}") for i, r in enumerate(reader, start=2)]
+                              r.get("name") or f"{path.name}:{i}", int(r.get("n") or 0))
+                    for i, r in enumerate(reader, start=2)]
         except ValueError as e:
             raise FitError(f"{path}: {e}") from None
 
@@ -104,14 +110,41 @@ def fit_sigmoid(bpb, value) -> dict:
     return {"a": f * (1 - b), "k": k, "x0": x0, "b": b, "rms": float(np.sqrt(np.mean(res.fun ** 2)))}
 
 
-def step2_problems(points: list[TaskPoint], sig: dict, target_bpb: float) -> list[str]:
+def moves(points: list[TaskPoint]) -> dict:
+    """Does the metric move with bpb beyond its sampling noise? The slope of a least-squares line
+    of the metric against bpb, in standard errors ("z"): each point's variance is the larger of
+    the binomial one of its instance count, p (1 - p) / n at the points' mean p (when known), and
+    the points' scatter about the line. Below the t distribution's two-sided 95% quantile
+    ("needed") it does not move: the points are as flat as their noise."""
+    from scipy.stats import t as student
+
+    x, y = np.array([p.bpb for p in points]), np.array([p.value for p in points])
+    dx = x - x.mean()
+    sxx = float(dx @ dx)
+    slope = float(dx @ (y - y.mean())) / sxx if sxx else 0.0
+    scatter = float(np.sum((y - y.mean() - slope * dx) ** 2)) / max(len(points) - 2, 1)
+    mean = min(max(float(y.mean()), 0.0), 1.0)
+    binomial = np.array([mean * (1 - mean) / p.items if p.items else 0.0 for p in points])
+    var = np.maximum(binomial, scatter)
+    se = float(np.sqrt(np.sum(dx ** 2 * var))) / sxx if sxx else float("inf")
+    z = abs(slope) / se if se > 0 else (float("inf") if slope else 0.0)
+    items = sorted({p.items for p in points if p.items})
+    return {"slope": slope, "z": z, "needed": float(student.ppf(0.975, max(len(points) - 2, 1))),
+            "binomial_se": float(np.sqrt(mean * (1 - mean) / items[0])) if items else None,
+            "items": items[0] if len(items) == 1 else items}
+
+
+def step2_problems(points: list[TaskPoint], sig: dict, target_bpb: float, move: dict) -> list[str]:
     """Why step 2 may not carry the prediction (empty: it does)."""
     out = []
-    values, bpbs = [p.value for p in points], [p.bpb for p in points]
-    spread = max(values) - min(values)
-    if spread < 3 * sig["rms"]:
-        out.append(f"the metric moves by {spread:.3g} over the points, within 3x the fit's noise ({sig['rms']:.3g}): "
-                   "the sweep does not reach the task's rise (larger runs, or an easier task)")
+    bpbs = [p.bpb for p in points]
+    if move["z"] < move["needed"]:
+        noise = (f"binomial SE {move['binomial_se']:.3g} of {move['items']} instances a point, or their scatter"
+                 if move["binomial_se"] is not None else "their scatter about a line; give the instance count "
+                 "(a CSV's n column) for the binomial noise")
+        out.append(f"the metric does not move with bpb beyond its sampling noise (slope {move['slope']:.3g} per "
+                   f"bpb, {move['z']:.2f} standard errors from flat, {move['needed']:.2f} needed; noise: {noise}): "
+                   "no prediction; the sweep does not reach the task's rise (larger runs, or an easier task)")
     if target_bpb < min(bpbs) - (max(bpbs) - min(bpbs)):
         out.append(f"the target's bpb {target_bpb:.3g} is further below the points' lowest ({min(bpbs):.3g}) than "
                    "they span: the sigmoid is extrapolated past its data")
@@ -119,7 +152,8 @@ def step2_problems(points: list[TaskPoint], sig: dict, target_bpb: float) -> lis
 
 
 def ladder(points: list[TaskPoint], params: float, tokens: float, bootstrap: int = 200, seed: int = 0) -> dict:
-    """Both steps, and the prediction at (params, tokens) with 95% bootstrap intervals."""
+    """Both steps, and the prediction at (params, tokens) with 95% bootstrap intervals; the
+    metric's prediction is None (no interval) when it does not move with bpb (`moves`)."""
     if len(points) < 5:
         raise FitError(f"{len(points)} points: step 1's law has 5 parameters and needs more points")
     if not (math.isfinite(params) and params > 0 and math.isfinite(tokens) and tokens > 0):
@@ -144,10 +178,13 @@ def ladder(points: list[TaskPoint], params: float, tokens: float, bootstrap: int
         refit = F._law(F._minimise(theta, *logs)[1])
         draws.append(then(refit, pick)[1:])
     interval = lambda i: [float(np.percentile([d[i] for d in draws], q)) for q in (2.5, 97.5)] if draws else []  # noqa: E731
+    move = moves(points)
+    flat = move["z"] < move["needed"]
     return {"step1": {"law": law["law"], "residuals": law["residuals"], "problems": F.problems(law)},
-            "step2": {**sig, "problems": step2_problems(points, sig, bpb)}, "target": {"params": params, "tokens": tokens, "bpb": bpb, "value": value,
-                                     "bpb_interval": interval(0), "value_interval": interval(1),
-                                     "bootstrap": len(draws)}}
+            "step2": {**sig, "moves": move, "problems": step2_problems(points, sig, bpb, move)},
+            "target": {"params": params, "tokens": tokens, "bpb": bpb, "value": None if flat else value,
+                       "bpb_interval": interval(0), "value_interval": [] if flat else interval(1),
+                       "bootstrap": len(draws)}}
 
 
 def plot(points: list[TaskPoint], result: dict, target: str, out: str) -> list[Path]:
@@ -197,9 +234,12 @@ def plot(points: list[TaskPoint], result: dict, target: str, out: str) -> list[P
     x = np.linspace(lo, hi, 200)
     ax.plot(x, sigmoid(x, sig["a"], sig["k"], sig["x0"], sig["b"]), color="black", lw=1,
             label=f"{sig['a']:.2f} / (1 + exp({-sig['k']:.2f} (bpb - {sig['x0']:.2f}))) + {sig['b']:.2f}")
-    ax.errorbar([t["bpb"]], [t["value"]], fmt="*", color="crimson", ms=12,
-                yerr=[[t["value"] - t["value_interval"][0]], [t["value_interval"][1] - t["value"]]]
-                if t["value_interval"] else None, label=f"target: {t['value']:.3f}")
+    if t["value"] is not None:
+        ax.errorbar([t["bpb"]], [t["value"]], fmt="*", color="crimson", ms=12,
+                    yerr=[[t["value"] - t["value_interval"][0]], [t["value_interval"][1] - t["value"]]]
+                    if t["value_interval"] else None, label=f"target: {t['value']:.3f}")
+    else:  # (no prediction: the metric does not move with bpb beyond its noise)
+        ax.axvline(t["bpb"], color="crimson", ls="--", lw=1, label=f"target bpb {t['bpb']:.3f}: no prediction")
     ax.invert_xaxis()
     ax.set_xlabel(f"{task} bits per byte of the gold answer (lower is better)")
     ax.set_ylabel(f"{task} {metric}")

@@ -71,7 +71,8 @@ def report(sweep_dir: str) -> dict:
     rows = read_manifest(sweep)
     check_runs(sweep, rows)
     lrs = plan["inputs"]["lrs"]
-    losses = {lr: run_losses(sweep / "runs" / row["run"]).get(row["end_step"]) for lr, row in zip(lrs, rows)}
+    losses = {lr: run_losses(sweep / "runs" / row["run"], row["steps"]).get(row["end_step"])
+              for lr, row in zip(lrs, rows)}
     missing = [f"{lr:g}" for lr, v in losses.items() if v is None]
     if missing:
         raise UserError(f"{len(missing)} of {len(lrs)} runs have no final eval loss (lr {', '.join(missing)}): "

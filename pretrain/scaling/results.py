@@ -3,15 +3,18 @@ with the columns params,tokens,loss (optional: budget, name), so runs from elsew
 ones included, can be fitted too.
 
 A run's loss is its final `eval/loss`; a WSD-S run gives one point per decay branch
-(`branch/eval_loss`, logged at the branch's end) plus its own end. A run dir of a sweep keeps its
-planned budgets (`scaling.budgets` in its config), so run dirs and their sweep dir give the same
-points; other run dirs have no budget (grouped by 6 N D). A point given twice (a sweep dir and one
-of its run dirs) is counted once.
+(`branch/eval_loss`, logged at the branch's end) plus its own end. Only these ends are points: an
+evaluation in the middle of a run (train.eval_every) is taken before the rate has decayed, so it is
+not a point of the law (a decay branch's end step may even be a mid-run evaluation's step). A
+run dir of a sweep keeps its planned budgets (`scaling.budgets` in its config), so run dirs and
+their sweep dir give the same points; other run dirs have no budget (grouped by 6 N D). A point
+given twice (a sweep dir and one of its run dirs) is counted once.
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import logging
 import math
@@ -29,17 +32,21 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_losses(run_dir: Path) -> dict[int, float]:
-    """end step -> eval loss: the run's final evaluation and each decay branch's."""
-    return {s: v["loss"] for s, v in run_values(run_dir, {"loss": ("eval/loss", "branch/eval_loss")}).items()}
+def run_losses(run_dir: Path, last_step: int) -> dict[int, float]:
+    """end step -> eval loss: the run's final evaluation (at `last_step`) and each decay branch's."""
+    return {s: v["loss"] for s, v in run_values(run_dir, {"loss": ("eval/loss", "branch/eval_loss")},
+                                                 last_step).items()}
 
 
-def run_values(run_dir: Path, keys: dict[str, tuple[str, str]]) -> dict[int, dict[str, float]]:
-    """end step -> {name: value} of each evaluation and decay branch that logged every one of `keys`
-    (name -> (its eval record key, its branch record key))."""
+def run_values(run_dir: Path, keys: dict[str, tuple[str, str]], last_step: int) -> dict[int, dict[str, float]]:
+    """end step -> {name: value} of the run's annealed ends that logged every one of `keys` (name ->
+    (its eval record key, its branch record key)): its evaluation at `last_step`, the end of its
+    final decay, and each decay branch's end. Mid-run evaluations are left out."""
     out = {}
     for r in _records(run_dir):
         branch = "branch/end_step" in r
+        if not branch and r.get("step") != last_step:
+            continue
         values = {name: r.get(b if branch else e) for name, (e, b) in keys.items()}
         if all(v is not None for v in values.values()):
             out[int(r["branch/end_step"] if branch else r["step"])] = {k: float(v) for k, v in values.items()}
@@ -47,8 +54,9 @@ def run_values(run_dir: Path, keys: dict[str, tuple[str, str]]) -> dict[int, dic
 
 
 def task_points(path: Path, task: str, metrics: tuple[str, ...]):
-    """(N, D, {metric: value}, name) of a sweep dir's or a run dir's ends (final evaluations and
-    decay branches) that scored `task` (eval/TASK/METRIC, branch/TASK/METRIC)."""
+    """(N, D, {metric: value}, name, instances) of a sweep dir's or a run dir's ends (final
+    evaluations and decay branches) that scored `task` (eval/TASK/METRIC, branch/TASK/METRIC);
+    instances: how many the run's config scores (0 if its task files cannot be read now)."""
     keys = {m: (f"eval/{task}/{m}", f"branch/{task}/{m}") for m in metrics}
     if (path / "manifest.csv").is_file():
         from pretrain.scaling.plan import check_runs, read_manifest
@@ -56,18 +64,41 @@ def task_points(path: Path, task: str, metrics: tuple[str, ...]):
         rows = read_manifest(path)
         check_runs(path, rows)
         for row in rows:
-            values = run_values(path / "runs" / row["run"], keys).get(row["end_step"])
+            values = run_values(path / "runs" / row["run"], keys, row["steps"]).get(row["end_step"])
             if values:
-                yield row["params"], row["tokens"], values, row["name"]
+                items = _items(_run_config(path / "runs" / row["run"]), task)
+                yield row["params"], row["tokens"], values, row["name"], items
     elif (path / "config.yaml").is_file():
         cfg = _run_config(path)
         tokens_per_step = cfg.global_batch(1) * cfg.data.seq_len
         from pretrain.model.model import matmul_params
 
-        for step, values in sorted(run_values(path, keys).items()):
-            yield matmul_params(cfg.model), step * tokens_per_step, values, f"{path.name}@{step}"
+        for step, values in sorted(run_values(path, keys, cfg.train.max_steps).items()):
+            yield matmul_params(cfg.model), step * tokens_per_step, values, f"{path.name}@{step}", _items(cfg, task)
     else:
         raise FitError(f"{path}: not a sweep dir (manifest.csv), a run dir (config.yaml) or a .csv of points")
+
+
+def _items(cfg, task: str) -> int:
+    """The instances `task` is scored on in a run of `cfg` (train.eval_tasks, eval_task_limit); 0 when
+    its files cannot be read now (the ladder then takes the points' scatter as their noise)."""
+    from pretrain.errors import UserError
+    from pretrain.tasks import task_name
+
+    for spec in cfg.train.eval_tasks:
+        if task_name(spec) == task:
+            try:
+                return _count(spec, cfg.train.eval_task_limit)
+            except UserError:
+                return 0
+    return 0
+
+
+@functools.cache  # (a sweep's runs share their task files: each is read once)
+def _count(spec: str, limit: int) -> int:
+    from pretrain.tasks import load
+
+    return len(load(spec, limit)[0])
 
 
 def _run_config(run_dir: Path):
@@ -95,7 +126,7 @@ def from_sweep(sweep_dir: Path) -> list[Point]:
     check_runs(sweep_dir, rows)
     points, missing = [], []
     for row in rows:
-        losses = run_losses(sweep_dir / "runs" / row["run"])
+        losses = run_losses(sweep_dir / "runs" / row["run"], row["steps"])
         if row["end_step"] not in losses:
             if finished(sweep_dir / "runs" / row["run"], row["steps"]) and not load_config(row["config"]).data.validation:
                 raise FitError(f"{sweep_dir}: {row['run']} ran to its end but has no eval loss: its config has no "
@@ -114,7 +145,7 @@ def from_run(run_dir: Path) -> list[Point]:
 
     cfg = _run_config(run_dir)
     tokens_per_step = cfg.global_batch(1) * cfg.data.seq_len
-    losses = run_losses(run_dir)
+    losses = run_losses(run_dir, cfg.train.max_steps)
     if cfg.train.max_steps not in losses:
         raise FitError(f"{run_dir} is unfinished: no eval loss at its last step {cfg.train.max_steps} "
                        "(resume it with checkpoint.resume=auto; runs without data.validation cannot be fitted)")

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 FORMATS = ("multiple_choice", "schema", "cloze")
 
 
@@ -53,9 +55,12 @@ def metrics(inst: Instance, lls: list[float], greedy: list[bool]) -> dict:
     bpb = -lls[inst.gold] / (math.log(2) * gold_bytes) if gold_bytes else float("nan")
     if inst.format == "cloze":
         return {"acc": float(greedy[0]), "loss": -lls[0], "bpb": bpb}
-    pred = max(range(len(lls)), key=lambda i: lls[i])  # (the first of equals, as numpy's argmax)
-    norm = [ll / len(c) if c else ll for ll, c in zip(lls, inst.choices)]
-    pred_norm = max(range(len(norm)), key=lambda i: norm[i])
+    # numpy, as lm-eval computes them: the first of equals wins, and an empty choice's ll / 0 is -inf
+    # (never chosen; nan, which argmax picks, if its ll is exactly 0).
+    ll = np.array(lls, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        norm = ll / np.array([float(len(c)) for c in inst.choices])
+    pred, pred_norm = int(np.argmax(ll)), int(np.argmax(norm))
     top = max(lls)
     probs = [math.exp(ll - top) for ll in lls]
     return {"acc": float(pred == inst.gold), "acc_norm": float(pred_norm == inst.gold), "bpb": bpb,

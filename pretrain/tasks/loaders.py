@@ -67,11 +67,24 @@ def _mc(context: str, choices: list[str], gold: int) -> Instance:
 def _plain(d: dict) -> Instance:
     d = {k: v for k, v in d.items() if v is not None}
     if "choices" in d:
-        return _mc(str(d["context"]), [str(c) for c in d["choices"]], int(d["gold"]))
+        if not isinstance(d["choices"], list):  # (a string would be taken as one choice per character)
+            raise ValueError(f"choices {d['choices']!r} is not a list")
+        return _mc(str(d["context"]), [str(c) for c in d["choices"]], _index(d["gold"]))
     if "contexts" in d:
+        if not isinstance(d["contexts"], list):
+            raise ValueError(f"contexts {d['contexts']!r} is not a list")
         contexts = [str(c) for c in d["contexts"]]
-        return Instance("schema", contexts, [" " + str(d["continuation"])], int(d["gold"]), contexts)
+        return Instance("schema", contexts, [" " + str(d["continuation"])], _index(d["gold"]), contexts)
+    if not str(d["continuation"]):
+        raise ValueError("the continuation is empty: a cloze needs the words to score")
     return Instance("cloze", [str(d["context"])], [str(d["continuation"])], 0, [str(d["continuation"])])
+
+
+def _index(gold) -> int:
+    """A gold index as written: an integer (not true, not 1.7), or a string of one."""
+    if isinstance(gold, bool) or not isinstance(gold, (int, str)):
+        raise ValueError(f"gold {gold!r} is not the index of a choice (0, 1, ...)")
+    return int(gold)
 
 
 # name -> (hub dataset, its config, the split scored, the split few-shot examples come from, row -> Instance)
@@ -99,31 +112,43 @@ def task_name(spec: str) -> str:
     return name if name in TASKS else Path(name).stem
 
 
-def load(spec: str, limit: int = 0, fewshot: int = 0) -> tuple[list[Instance], list[Instance]]:
-    """(instances scored, the pool few-shot examples come from) of a task spec; `limit` > 0 keeps the
-    first `limit` instances. The pool is the hub task's training split, else the instances
-    themselves (an instance never demonstrates itself); empty without `fewshot`."""
+def load(spec: str, limit: int = 0, fewshot: int = 0) -> tuple[list[Instance], list[Instance], str]:
+    """(instances scored, the pool few-shot examples come from, where the pool came from) of a task
+    spec; `limit` > 0 keeps the first `limit` instances. The pool is the hub task's training split,
+    else every row of the scored split or file, `limit` or not (an instance never demonstrates
+    itself: scoring.fewshot_prefix); empty without `fewshot`."""
     name, _, path = spec.partition("=")
+    shots = None
     if name in TASKS:
         hub, config, split, shot_split, convert = TASKS[name]
         rows = _rows(path, hub, config, split, name)
-        shots = (_rows(path, hub, config, shot_split, name, quiet=True)
-                 if fewshot and shot_split and not path else None)
+        where = f"{path or hub + ' (' + split + ')'}, the scored rows themselves"
+        if fewshot and shot_split and not path:
+            shots = _rows(path, hub, config, shot_split, name, fewshot=fewshot)
+            where = f"{hub} ({shot_split})"
         fields = FIELDS[name]
     elif path or not name.endswith((".jsonl", ".json")):
         raise UserError(f"--tasks {spec}: unknown task {name!r}; tasks: {', '.join(TASKS)} (NAME or NAME=FILE), "
                         "or a .jsonl file of your own (docs/evaluation.md)")
     else:
-        rows, shots, convert, fields = _jsonl(name), None, _plain, ()
-    instances = [_convert(convert, r, i, spec, fields) for i, r in enumerate(rows[:limit] if limit else rows)]
+        rows, convert, fields = _jsonl(name), _plain, ()
+        where = f"{name}, the scored rows themselves"
+    if not fewshot:
+        instances = [_convert(convert, r, i, spec, fields) for i, r in enumerate(rows[:limit] if limit else rows)]
+        if not instances:
+            raise UserError(f"--tasks {spec}: no instances")
+        return instances, [], ""
+    every = [_convert(convert, r, i, spec, fields) for i, r in enumerate(rows)]
+    instances = every[:limit] if limit else every
     if not instances:
         raise UserError(f"--tasks {spec}: no instances")
-    if not fewshot:
-        return instances, []
-    pool = [_convert(convert, r, i, spec, fields) for i, r in enumerate(shots)] if shots else instances
-    if len(pool) <= fewshot:
-        raise UserError(f"--fewshot {fewshot}: {spec} has {len(pool)} examples to draw from")
-    return instances, pool
+    # From the scored rows, the pool is the same Instance objects, so that each leaves itself out.
+    pool = [_convert(convert, r, i, spec, fields) for i, r in enumerate(shots)] if shots is not None else every
+    available = len(pool) - (shots is None)
+    if available < fewshot:
+        raise UserError(f"--fewshot {fewshot}: {spec} has {available} examples to draw from ({where}"
+                        f"{', less the one scored' if shots is None else ''}): lower --fewshot")
+    return instances, pool, f"{where}: {len(pool)} examples"
 
 
 def _convert(convert, row: dict, i: int, spec: str, fields) -> Instance:
@@ -137,6 +162,12 @@ def _convert(convert, row: dict, i: int, spec: str, fields) -> Instance:
                         f"it needs {want}") from None
     if not 0 <= inst.gold < len(inst.requests()):
         raise UserError(f"--tasks {spec}: row {i}: gold {inst.gold} is not the index of a choice")
+    # lm-eval gives an empty context the end-of-text token; one of only spaces would leave no
+    # context token before the continuation (it mis-scores it silently).
+    blank = [c for c in inst.contexts if c and not c.strip()]
+    if blank:
+        raise UserError(f"--tasks {spec}: row {i}: the context {blank[0]!r} is only whitespace: give text, or an "
+                        "empty context (scored after the end-of-text token)")
     inst.id = str(row.get("id", row.get("ind", i)))
     return inst
 
@@ -147,7 +178,9 @@ def _jsonl(path: str) -> list[dict]:
     if not p.is_file():
         raise UserError(f"--tasks {path}: no such file")
     rows = []
-    for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
+    # split at "\n" only: str.splitlines() also splits at U+2028, U+0085, ... which JSON allows raw
+    # inside strings (json.dumps(..., ensure_ascii=False) writes them so).
+    for n, line in enumerate(p.read_text(errors="replace").split("\n"), 1):
         if line.strip():
             try:
                 rows.append(dict(json.loads(line)))
@@ -156,8 +189,9 @@ def _jsonl(path: str) -> list[dict]:
     return rows
 
 
-def _rows(path: str, hub: str | None, config: str | None, split: str | None, name: str, quiet=False) -> list[dict]:
-    """The task's rows: from local files (json, jsonl, parquet) when given, else from the hub."""
+def _rows(path: str, hub: str | None, config: str | None, split: str | None, name: str, fewshot: int = 0) -> list[dict]:
+    """The task's rows: from local files (json, jsonl, parquet) when given, else from the hub
+    (`fewshot`: the split is the few-shot pool's, named in the error)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -174,8 +208,11 @@ def _rows(path: str, hub: str | None, config: str | None, split: str | None, nam
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - datasets raises many kinds; one line for each
-        if quiet:
-            return []
         where = path or f"{hub} ({split})"
-        raise UserError(f"--tasks {name}: could not read {where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        # datasets wraps a bad line of a file in "An error occurred while generating the dataset";
+        # the reason (e.g. "JSON parse error: ... in row 1") is its cause.
+        reason = e.__cause__ if type(e).__name__ == "DatasetGenerationError" and e.__cause__ else e
+        text = str(reason).splitlines()[0] if str(reason) else type(reason).__name__
+        fix = f" (the few-shot pool of --fewshot {fewshot}; --fewshot 0 needs no pool)" if fewshot else ""
+        raise UserError(f"--tasks {name}: could not read {where}{fix}: {text}")
     return [dict(r) for r in ds]

@@ -16,12 +16,16 @@ same at any world size.
 
 from __future__ import annotations
 
+import logging
 import random
 
 import torch
 
+from pretrain.errors import UserError
 from pretrain.tasks import loaders
 from pretrain.tasks.formats import Instance, metrics
+
+log = logging.getLogger(__name__)
 
 FEWSHOT_DELIMITER = "\n\n"  # between few-shot examples and before the instance, as lm-eval's default
 
@@ -37,19 +41,31 @@ def encode_pair(tokenizer, eot: int, context: str, continuation: str) -> tuple[l
     return context_ids, whole[len(context_ids):]
 
 
+def encode_request(tokenizer, eot: int, context: str, continuation: str, max_len: int):
+    """(context tokens, continuation tokens) of a request the model can score; a continuation of no
+    tokens, or of more than the model's context, is one line (UserError)."""
+    ctx, cont = encode_pair(tokenizer, eot, context, continuation)
+    if not cont:
+        raise UserError(f"the continuation {continuation!r} encodes to no tokens: give each choice or continuation text")
+    if len(cont) > max_len:
+        raise UserError(f"the continuation {continuation[:40]!r}... is {len(cont)} tokens, more than the model's "
+                        f"context of {max_len}: shorten it (only its context is cut from the left)")
+    return ctx, cont
+
+
 @torch.no_grad()
 def loglikelihoods(logits_fn, tokenizer, eot: int, requests: list[tuple[str, str]], max_len: int,
-                   device) -> list[tuple[float, bool]]:
-    """[(log-likelihood in nats, greedy)] of each request, the requests in one batch.
+                   device) -> list[tuple[float, bool, bool]]:
+    """[(log-likelihood in nats, greedy, truncated)] of each request, the requests in one batch;
+    truncated: its context was cut from the left to fit max_len, as lm-eval's HFLM cuts it.
     `logits_fn(tokens (B, T) int64) -> logits (B, T, V)`."""
-    rows, spans = [], []
+    rows, spans, truncated = [], [], []
     for context, continuation in requests:
-        ctx, cont = encode_pair(tokenizer, eot, context, continuation)
-        if not cont:
-            raise ValueError(f"continuation {continuation!r} encodes to no tokens")
+        ctx, cont = encode_request(tokenizer, eot, context, continuation, max_len)
         inp = (ctx + cont)[-(max_len + 1):][:-1]
         rows.append(inp)
         spans.append((len(inp) - len(cont), cont))
+        truncated.append(len(ctx) + len(cont) > max_len + 1)
     width = max(map(len, rows))
     batch = torch.tensor([r + [eot] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
     logits = logits_fn(batch)
@@ -58,13 +74,14 @@ def loglikelihoods(logits_fn, tokenizer, eot: int, requests: list[tuple[str, str
         logp = torch.log_softmax(logits[b, start:start + len(cont)].float(), dim=-1)  # (n, V)
         target = torch.tensor(cont, device=logp.device)
         ll = logp.gather(1, target[:, None]).sum().item()
-        out.append((ll, bool((logp.argmax(-1) == target).all())))
+        out.append((ll, bool((logp.argmax(-1) == target).all()), truncated[b]))
     return out
 
 
 def fewshot_prefix(inst_index: int, task: str, pool: list[Instance], k: int, seed: int,
                    exclude: Instance | None) -> str:
-    """k examples drawn for instance `inst_index` alone (the same at any world size), never itself."""
+    """k examples drawn for instance `inst_index` alone (the same at any world size), never itself
+    (`exclude`: the scored instance, the same object when the pool is its own split)."""
     if not k:
         return ""
     rnd = random.Random(f"{seed}:{task}:{inst_index}")
@@ -78,17 +95,37 @@ class TaskSuite:
 
     def __init__(self, specs: list[str], limit: int = 0, fewshot: int = 0, seed: int = 1234):
         self.fewshot, self.seed = fewshot, seed
-        self.tasks = [(loaders.task_name(s), *loaders.load(s, limit, fewshot)) for s in specs]
+        self.tasks, self.pools = [], {}
+        for spec in specs:
+            instances, pool, where = loaders.load(spec, limit, fewshot)
+            self.tasks.append((loaders.task_name(spec), instances, pool))
+            self.pools[loaders.task_name(spec)] = where
+            if fewshot:
+                log.info("%s: %d-shot examples from %s", loaders.task_name(spec), fewshot, where)
         names = [t for t, _, _ in self.tasks]
         if len(set(names)) < len(names):
-            from pretrain.errors import UserError
-
             raise UserError(f"tasks {', '.join(specs)}: two of them have the same name")
+        self.checked_len = None
+
+    def check(self, tokenizer, eot: int, max_len: int) -> None:
+        """Every request scorable (UserError naming the first that is not): run on every rank over
+        every instance before any forward, so a bad one stops all ranks alike."""
+        if self.checked_len == max_len:
+            return
+        for task, instances, _ in self.tasks:
+            for inst in instances:
+                for context, continuation in inst.requests():
+                    try:
+                        encode_request(tokenizer, eot, context, continuation, max_len)
+                    except UserError as e:
+                        raise UserError(f"task {task}, instance {inst.id}: {e}") from None
+        self.checked_len = max_len
 
     def __call__(self, logits_fn, device, rank: int = 0, world: int = 1, gather=None, *, tokenizer, eot: int,
                  max_len: int) -> dict:
         """{task: {"metrics": {name: mean}, "n", "format", "instances": [per instance]}}, the same on
         every rank. `gather(obj) -> [obj of each rank]` for world > 1."""
+        self.check(tokenizer, eot, max_len)
         results = {}
         for task, instances, pool in self.tasks:
             mine = []
@@ -100,12 +137,19 @@ class TaskSuite:
                 scored = loglikelihoods(logits_fn, tokenizer, eot, shown.requests(), max_len, device)
                 if i < len(instances):
                     lls, greedy = [s[0] for s in scored], [s[1] for s in scored]
-                    mine.append({"index": i, "id": inst.id, "lls": lls, "greedy": greedy, **metrics(inst, lls, greedy)})
+                    mine.append({"index": i, "id": inst.id, "lls": lls, "greedy": greedy,
+                                 "truncated": any(s[2] for s in scored), **metrics(inst, lls, greedy)})
             every = [r for part in (gather(mine) if world > 1 else [mine]) for r in part]
             every.sort(key=lambda r: r["index"])
             # (a file of your own may mix formats: each metric is the mean over the instances that have it)
-            names = list(dict.fromkeys(k for r in every for k in r if k not in ("index", "id", "lls", "greedy")))
+            names = list(dict.fromkeys(k for r in every for k in r
+                                       if k not in ("index", "id", "lls", "greedy", "truncated")))
             means = {k: sum(r[k] for r in every if k in r) / sum(k in r for r in every) for k in names}
             formats = sorted({i.format for i in instances})
-            results[task] = {"metrics": means, "n": len(every), "format": "+".join(formats), "instances": every}
+            cut = sum(r["truncated"] for r in every)
+            if cut and rank == 0:
+                log.warning("warning: %s: %d of %d instance(s) are longer than the model's context of %d tokens: "
+                            "their contexts were cut from the left (as lm-eval cuts them)", task, cut, len(every), max_len)
+            results[task] = {"metrics": means, "n": len(every), "format": "+".join(formats), "truncated": cut,
+                             "fewshot_from": self.pools[task], "instances": every}
         return results

@@ -15,7 +15,7 @@ def test_gpt2_on_tinyshakespeare_is_not_truncated():
     assert tok.encode("Hello world").ids == [15496, 995]
     n = len(tok.encode(text).ids)
     assert 337_000 < n < 339_000  # the file's own truncation at 50 would give a few dozen
-    assert eot_id(tok) == 50256
+    assert eot_id(tok, "") == 50256
     assert padded_vocab_size(tok, 64) == 50304
 
 
@@ -39,7 +39,7 @@ def test_truncation_and_padding_in_a_tokenizer_file_are_switched_off(tmp_path, t
 
 def test_builtin_tokenizer(tok):
     assert tok.get_vocab_size() == 4096
-    assert eot_id(tok) == tok.token_to_id("<|endoftext|>") == 0
+    assert eot_id(tok, "") == tok.token_to_id("<|endoftext|>") == 0
     text = 'The "assert" statement: raise AssertionError(expression2)'
     assert tok.decode(tok.encode(text).ids) == text
     assert padded_vocab_size(tok, 64) == 4096 and padded_vocab_size(tok, 1000) == 5000
@@ -76,7 +76,7 @@ def test_eot_lookup(tmp_path, tok):
     src = write_jsonl(tmp_path / "d.jsonl", make_docs(50, seed=1))
     plain = train_tokenizer([SourceConfig(path=str(src))], 280, tmp_path / "t.json", special_tokens=["<x>"])
     with pytest.raises(DataError, match="set data.eot_token"):
-        eot_id(plain)
+        eot_id(plain, "")
 
 
 def test_bad_tokenizer_files(tmp_path):
@@ -106,7 +106,7 @@ def test_train_tokenizer_command(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == f"wrote {out} (vocab 400)"
     tok = load_tokenizer(str(out))
     assert tok.get_vocab_size() == 400
-    assert (tok.token_to_id("<|endoftext|>"), tok.token_to_id("<pad>")) == (0, 1) and eot_id(tok) == 0
+    assert (tok.token_to_id("<|endoftext|>"), tok.token_to_id("<pad>")) == (0, 1) and eot_id(tok, "") == 0
     for word in ("zebracorn", "Ġquokkaline", "Ġfunction"):  # merged from b.txt, b.txt and a.jsonl
         assert tok.token_to_id(word) is not None, word
     for text in ("the function returns a value, café ✓\n\tzebracorn", make_docs(1, seed=5)[0]):

@@ -117,7 +117,7 @@ def cli_model():
     m = Transformer(args)
     torch.manual_seed(1)
     m.init_weights()
-    return m.eval(), tokenizer, eot_id(tokenizer)
+    return m.eval(), tokenizer, eot_id(tokenizer, "")
 
 
 def test_generate_command_passes_top_p_temperature_and_seed(cli_model, monkeypatch, capsys):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pretrain.config import load_config
-from pretrain.model.args import ModelArgs
+from pretrain.model.args import PRESETS, ModelArgs
 from pretrain.model.hf import fold_multipliers, to_hf_config, to_hf_state_dict
 from pretrain.model.model import Transformer
 from pretrain.optim import param_groups
@@ -22,11 +22,11 @@ def args_of(**kw) -> ModelArgs:
 
 
 MUP = dict(parametrization="mup", mup_base_dim=32, mup_base_head_dim=8)  # head_dim grown 8 -> 32
-COMPLETEP = dict(parametrization="completep", mup_base_dim=32, mup_base_layers=2)
+COMPLETEP = dict(parametrization="completep", mup_base_dim=32, mup_base_layers=2, mup_base_head_dim=32)
 
 
 def test_multipliers():
-    a = args_of(**COMPLETEP, mup_base_head_dim=8)  # m = 4, m_L = 2, head_dim 32 grown from 8
+    a = args_of(**{**COMPLETEP, "mup_base_head_dim": 8})  # m = 4, m_L = 2, head_dim 32 grown from 8
     assert (a.width_mult, a.depth_mult) == (4.0, 2.0)
     assert a.attn_scale == pytest.approx(math.sqrt(8) / 32)
     assert (a.residual_scale, a.logit_scale) == (0.5, 0.25)
@@ -38,8 +38,8 @@ def test_multipliers():
     sp = args_of(mup_base_dim=32, mup_base_layers=2)  # base fields are ignored under sp
     assert (sp.width_mult, sp.attn_scale, sp.residual_scale, sp.logit_scale) == (1.0, None, 1.0, 1.0)
     assert sp.hidden_init_std == 0.02 and sp.out_init_std == 0.02 / math.sqrt(8)
-    # heads added at a fixed head_dim (the default): the scale stays 1/sqrt(head_dim)
-    wide = args_of(dim=256, n_heads=8, n_kv_heads=2, parametrization="mup", mup_base_dim=128)
+    # heads added at a fixed head_dim: the scale stays 1/sqrt(head_dim)
+    wide = args_of(dim=256, n_heads=8, n_kv_heads=2, parametrization="mup", mup_base_dim=128, mup_base_head_dim=32)
     assert wide.attn_scale == pytest.approx(1 / math.sqrt(32))
 
 
@@ -47,6 +47,9 @@ def test_multipliers():
     (dict(parametrization="mu-p"), "is not one of sp, mup, completep"),
     (dict(parametrization="mup"), "needs model.mup_base_dim"),
     (dict(parametrization="completep", mup_base_dim=32), "needs model.mup_base_layers"),
+    # 0 silently meant "this model's head_dim": a family growing head_dim got sp's attention scale
+    (dict(parametrization="mup", mup_base_dim=32), "model.parametrization=mup at model.dim=128 (not the base's 32) "
+     "needs model.mup_base_head_dim: the base's head_dim (model.mup_base_head_dim=32 if the family grows by heads"),
 ])
 def test_parametrization_problems(bad, message):
     assert any(message in p for p in args_of(**bad).problems())
@@ -68,8 +71,10 @@ def test_init_follows_the_parametrization():
     assert stds["tok_embeddings.weight"] == pytest.approx(0.02, rel=0.02)
     assert stds["output.weight"] == pytest.approx(0.02, rel=0.02)
     assert stds["layers.0.attention.wq.weight"] == pytest.approx(0.02 / 4, rel=0.02)
-    for out in ("layers.0.attention.wo.weight", "layers.0.feed_forward.w2.weight"):
-        assert stds[out] == pytest.approx(0.02 / 4 / math.sqrt(8), rel=0.03)
+    assert stds["layers.0.attention.wo.weight"] == pytest.approx(0.02 / 4 / math.sqrt(8), rel=0.03)
+    # w2 by its own fan-in multiplier: SwiGLU widths 1376 / 96 (multiple_of 32), not m = 16
+    assert args.ffn_width_mult == pytest.approx(1376 / 96)
+    assert stds["layers.0.feed_forward.w2.weight"] == pytest.approx(0.02 / math.sqrt(1376 / 96) / math.sqrt(8), rel=0.03)
 
 
 def test_sp_is_unchanged_and_the_base_model_is_the_same_in_every_parametrization():
@@ -108,20 +113,29 @@ def test_optimizer_groups():
                                   {"lr_scale": 1.0, "eps": 1e-8, "weight_decay": 0.0}]
     assert "output.weight" in sp[0][0] and {"tok_embeddings.weight", "norm.weight"} <= sp[1][0]
 
-    groups = _groups(args_of(**COMPLETEP))  # m = 4, m_L = 2
+    groups = _groups(args_of(**COMPLETEP))  # m = 4, m_L = 2; w2's fan-in 352 / 96 (multiple_of 32)
     by_name = {n: g for names, g in groups for n in names}
-    hidden = by_name["layers.1.feed_forward.w2.weight"]
+    hidden, w2 = by_name["layers.1.attention.wq.weight"], by_name["layers.1.feed_forward.w2.weight"]
     assert hidden["lr_scale"] == 0.25 and hidden["weight_decay"] == pytest.approx(0.4)
     assert hidden["eps"] == pytest.approx(1e-8 / 8)
-    assert by_name["output.weight"] == {"lr_scale": 1.0, "eps": 1e-8, "weight_decay": 0.1}
-    assert by_name["tok_embeddings.weight"] == {"lr_scale": 1.0, "eps": 1e-8, "weight_decay": 0.0}
-    assert by_name["layers.0.attention_norm.weight"] == {"lr_scale": 1.0, "eps": pytest.approx(5e-9),
+    r = 352 / 96
+    assert w2 == {"lr_scale": pytest.approx(1 / r), "eps": pytest.approx(1e-8 / 8), "weight_decay": pytest.approx(0.1 * r)}
+    # every role's eps / m (its gradient shrinks as 1/m), hidden matrices' and norms' / m_L too
+    assert by_name["output.weight"] == {"lr_scale": 1.0, "eps": pytest.approx(2.5e-9), "weight_decay": 0.1}
+    assert by_name["tok_embeddings.weight"] == {"lr_scale": 1.0, "eps": pytest.approx(2.5e-9), "weight_decay": 0.0}
+    assert by_name["layers.0.attention_norm.weight"] == {"lr_scale": 1.0, "eps": pytest.approx(1.25e-9),
                                                          "weight_decay": 0.0}
-    # every hidden matrix in the hidden group, nothing twice
-    assert all(by_name[n] is hidden for n in by_name if ".attention.w" in n or ".feed_forward.w" in n)
+    # every attention matrix and w1, w3 in the hidden group, every w2 in its own, nothing twice
+    assert all(by_name[n] is hidden for n in by_name if ".attention.w" in n or ".feed_forward.w1" in n
+               or ".feed_forward.w3" in n)
+    assert all(by_name[n] is w2 for n in by_name if ".feed_forward.w2" in n)
     assert sum(len(names) for names, _ in groups) == len(by_name) == len(list(Transformer(args_of()).parameters()))
     mup = {n: g for names, g in _groups(args_of(**MUP)) for n in names}
-    assert mup["layers.0.attention_norm.weight"]["eps"] == 1e-8 and mup["layers.0.attention.wq.weight"]["eps"] == 2.5e-9
+    assert mup["layers.0.attention_norm.weight"]["eps"] == 2.5e-9 and mup["layers.0.attention.wq.weight"]["eps"] == 2.5e-9
+    # where w2's fan-in grows as dim does (512 / 128 = 128 / 32), it shares the hidden group
+    even = {n: g for names, g in _groups(args_of(ffn_hidden_dim=512, parametrization="mup", mup_base_dim=32,
+                                                 mup_base_head_dim=32, mup_base_hidden_dim=128)) for n in names}
+    assert even["layers.0.feed_forward.w2.weight"] is even["layers.0.attention.wq.weight"]
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -159,7 +173,67 @@ def test_a_hugging_face_start_is_refused_under_mup(tmp_path):
 
     hf = tmp_path / "hf"
     transformers.LlamaForCausalLM(to_hf_config(args_of())).save_pretrained(hf)
-    cfg = load_config(None, ["model.parametrization=mup", "model.mup_base_dim=64", f"checkpoint.init_from={hf}"])
+    cfg = load_config(None, ["model.parametrization=mup", "model.mup_base_dim=64", "model.mup_base_head_dim=64",
+                             f"checkpoint.init_from={hf}"])
     with pytest.raises(ConfigError, match="is a Hugging Face model, whose weights are in the standard parametrization"):
         hf_model_args(cfg)
     assert hf_model_args(load_config(None, [f"checkpoint.init_from={hf}"])).parametrization == "sp"  # accepted
+
+
+@pytest.mark.parametrize("shape", [
+    dict(dim=512, n_heads=16, n_kv_heads=8, multiple_of=64),  # SwiGLU 1408 from 192: 7.33, m = 8
+    dict(dim=512, n_heads=16, n_kv_heads=8, multiple_of=256, ffn_hidden_dim=1792),  # explicit: 1792 / 256 = 7
+], ids=["multiple_of", "ffn_hidden_dim"])
+def test_every_matrix_takes_microsofts_rate_and_decay(shape):
+    """microsoft/mup's MuAdamW, its base shapes set from our model at the base width (64, grown by
+    heads as the planner grows it), gives each matrix lr / (its fan-in / the base's) and decay x
+    that ratio: ours are the same for every matrix, w2 included (its rate was lr / m before, 9% off
+    here; 18.7 against 16 for the 7b preset from a 256-wide base). Vectors and the head keep lr."""
+    mup = pytest.importorskip("mup")
+    from pretrain.scaling.plan import grown
+
+    args = args_of(**shape, parametrization="mup", mup_base_dim=64, mup_base_head_dim=32, vocab_size=512)
+    model, base = Transformer(args), Transformer(grown(args, args.n_layers, 1))
+    assert base.args.dim == 64
+    mup.set_base_shapes(model, base, do_assert=False)  # (do_assert asks for its MuReadout head; ours is plain)
+    cfg = load_config(None, ["optimizer.weight_decay=0.1"])
+    theirs = {id(p): g for g in mup.MuAdamW(model.parameters(), lr=1.0, weight_decay=0.1).param_groups
+              for p in g["params"]}
+    ours = {id(p): g for g in param_groups(model, cfg.optimizer) for p in g["params"]}
+    for name, p in model.named_parameters():
+        assert ours[id(p)]["lr_scale"] == pytest.approx(theirs[id(p)]["lr"], rel=1e-12), name
+        if p.ndim == 2 and "tok_embeddings" not in name:  # (we decay neither norms nor, by default, embeddings)
+            assert ours[id(p)]["weight_decay"] == pytest.approx(theirs[id(p)]["weight_decay"], rel=1e-12), name
+    seven_b = ModelArgs(**PRESETS["7b"], parametrization="mup", mup_base_dim=256, mup_base_head_dim=128)
+    assert seven_b.ffn_width_mult == pytest.approx(14336 / 768) and seven_b.width_mult == 16
+
+
+def test_every_roles_gradient_shrinks_as_one_over_m():
+    """Why every role's Adam eps is eps / m under muP: at widths 64-512 (grown by heads, as the
+    planner grows them) the RMS gradient of every role, the embedding, head and norm gains
+    included, falls as 1/m (log-log slopes near -1), so an eps kept at the base's would weigh m
+    times more in a wide model's update."""
+    from pretrain.mup import slope
+    from pretrain.optim import role
+    from pretrain.scaling.plan import grown
+
+    base = args_of(dim=64, n_heads=2, n_kv_heads=1, multiple_of=64, parametrization="mup", mup_base_dim=64,
+                   mup_base_head_dim=32, vocab_size=512)
+    widths, rms = [64, 128, 256, 512], {}
+    tokens = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(0))
+    for w in widths:
+        per_role = {}
+        for seed in range(2):
+            torch.manual_seed(seed)
+            model = Transformer(grown(base, base.n_layers, w // 64))
+            model.init_weights()
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+            for name, p in model.named_parameters():
+                per_role.setdefault(role(name, p.ndim), []).append(p.grad.pow(2).mean().item())
+        for r, sq in per_role.items():
+            rms.setdefault(r, []).append((sum(sq) / len(sq)) ** 0.5)
+    slopes = {r: slope(widths, v) for r, v in rms.items()}
+    print("gradient RMS slopes against width:", {r: round(s, 3) for r, s in slopes.items()})
+    assert set(slopes) == {"hidden", "ffn_out", "head", "embedding", "norm"}
+    for r, s in slopes.items():
+        assert s == pytest.approx(-1.0, abs=0.15), (r, slopes)
