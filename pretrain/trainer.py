@@ -348,8 +348,9 @@ class Trainer:
                 if self._spike:
                     target = self.rollbacks.spiked(self.step, self.ckpt)
                     if target is not None:
-                        self._go_back_to(target, keep=("spike_skips",))
-                        self.rollbacks.recent_spikes = []
+                        spike_skips = self.spike_skips  # (a count of the run, not of the checkpoint)
+                        self._go_back_to(target)
+                        self.spike_skips, self.rollbacks.recent_spikes = spike_skips, []
                         self.logger.log({"train/rollbacks": self.rollbacks.rollbacks}, self.step)
                         window_start, window_steps, losses = time.perf_counter(), 0, []
                         continue
@@ -401,17 +402,15 @@ class Trainer:
         self.save(wait=True)
         return summary
 
-    def _go_back_to(self, path, keep=()) -> None:
-        """Restore the run to the checkpoint `path` (a decay branch's start, a rollback's target),
-        keeping the attributes named in `keep`; the data restarts from its restored position."""
+    def _go_back_to(self, path) -> None:
+        """Restore the run to the checkpoint `path` (a decay branch's start, a rollback's target);
+        the data restarts from its restored position."""
         from pretrain.checkpoint import Start, read_meta
 
-        kept = {name: getattr(self, name) for name in keep}
         self.data_iter = None  # its workers stop; the restored position gets a fresh iterator
         self._mark("branch")
         meta = read_meta(path)
         self.ckpt.restore(Start("resume", self.ckpt.run.run_id, path, meta, meta["step"]))
-        self.__dict__.update(kept)
         self.data_iter = iter(self.loader)
 
     def _branch(self, end: int) -> None:
