@@ -25,6 +25,8 @@ def tokenizer_and_model_args(cfg: Config):
     args = hf_model_args(cfg) if hub.is_hf_model(cfg.checkpoint.init_from) else dataclasses.replace(cfg.model)
     if not args.vocab_size:
         args.vocab_size = dp.padded_vocab_size(tokenizer, args.vocab_multiple_of)
+    if args.document_mask and args.eot_id < 0:
+        args.eot_id = dp.eot_id(tokenizer, cfg.data.eot_token)
     elif args.vocab_size < tokenizer.get_vocab_size():
         if hub.is_hf_model(cfg.checkpoint.init_from):  # the vocabulary is the model's: the tokenizer must fit it
             raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} has {tokenizer.get_vocab_size()} tokens, more "
@@ -73,14 +75,15 @@ def data(cfg: Config, tokenizer, env: distributed.Dist):
     """(training loader of this rank, this rank's fixed validation batches)."""
     import data_pipeline as dp
 
-    loader = dp.build_loader(cfg.data, tokenizer, rank=env.rank, world_size=env.world_size,
+    # A sequence-parallel group reads as one data-parallel rank; each rank keeps its slice (Trainer).
+    loader = dp.build_loader(cfg.data, tokenizer, rank=env.dp_rank, world_size=env.dp_size,
                              micro_batch_size=cfg.train.micro_batch_size)
     val_batches = []
     if cfg.data.validation:
         val_batches = dp.build_validation_batches(
-            cfg.data, tokenizer, rank=env.rank, world_size=env.world_size,
+            cfg.data, tokenizer, rank=env.dp_rank, world_size=env.dp_size,
             micro_batch_size=cfg.train.micro_batch_size,
-            n_batches=cfg.train.eval_batches * cfg.grad_accum(env.world_size))
+            n_batches=cfg.train.eval_batches * cfg.grad_accum(env.dp_size))
     return loader, val_batches
 
 

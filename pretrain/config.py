@@ -109,6 +109,7 @@ class DistributedConfig:
     grad_dtype: str = "fp32"  # bf16 runs: dtype gradients accumulate over micro-batches and reduce across ranks in: fp32 | bf16 (half the traffic, inexact; docs/performance.md)
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU (0 = from the device type)
     timeout_s: float = 1800.0  # a collective (NCCL, gloo) waiting this long for a peer fails the run
+    sequence_parallel: int = 1  # Ulysses: each sequence split over this many ranks (divides the world, n_heads and seq_len; docs/long_context.md)
 
 
 @dataclass
@@ -250,14 +251,29 @@ class Config:
                        "validation source or tasks")
         if t.eval_task_limit < 0 or t.eval_task_fewshot < 0:
             out.append("train.eval_task_limit and train.eval_task_fewshot must be >= 0")
+        sp = d.sequence_parallel
+        if sp < 1:
+            out.append(f"distributed.sequence_parallel={sp} must be >= 1 (1 = off)")
+        elif sp > 1:
+            if self.model.n_heads % sp:
+                out.append(f"distributed.sequence_parallel={sp} does not divide model.n_heads={self.model.n_heads}: "
+                           f"each rank attends with n_heads / {sp} heads (use one of {_divisors(self.model.n_heads)})")
+            if self.data.seq_len % sp:
+                out.append(f"distributed.sequence_parallel={sp} does not divide data.seq_len={self.data.seq_len}: "
+                           "each rank holds seq_len / sequence_parallel tokens")
         if world_size is not None and not out:
+            if world_size % sp:
+                out.append(f"distributed.sequence_parallel={sp} does not divide the world size {world_size}: "
+                           f"use one of {_divisors(world_size)}")
+                return out
+            dp = world_size // sp
             try:
-                self.grad_accum(world_size)
+                self.grad_accum(dp)
             except ConfigError as e:
                 out.append(str(e))
-            if self.data.num_streams % world_size:
-                out.append(f"data.num_streams={self.data.num_streams} is not divisible by the world size "
-                           f"{world_size}: set data.num_streams to a multiple of it (it is fixed for a run)")
+            if self.data.num_streams % dp:
+                out.append(f"data.num_streams={self.data.num_streams} is not divisible by the data-parallel size "
+                           f"{dp}: set data.num_streams to a multiple of it (it is fixed for a run)")
         return out
 
     def validate(self, world_size: int) -> None:
@@ -266,21 +282,27 @@ class Config:
         if problems:
             raise ConfigError(problems)
 
-    def global_batch(self, world_size: int) -> int:
-        """Sequences per optimizer step across all ranks."""
+    def global_batch(self, dp_size: int) -> int:
+        """Sequences per optimizer step across all ranks; `dp_size`: the data-parallel ranks (the
+        world size without sequence parallelism; a sequence-parallel group reads one rank's share)."""
         t = self.train
         if t.global_batch_tokens:
             return t.global_batch_tokens // self.data.seq_len
-        return t.global_batch_size or t.micro_batch_size * world_size
+        return t.global_batch_size or t.micro_batch_size * dp_size
 
-    def grad_accum(self, world_size: int) -> int:
+    def grad_accum(self, dp_size: int) -> int:
         """Micro-batches per rank per optimizer step; raises ConfigError if the batch does not divide."""
-        gb, mb = self.global_batch(world_size), self.train.micro_batch_size
-        if gb % (mb * world_size):
+        gb, mb = self.global_batch(dp_size), self.train.micro_batch_size
+        if gb % (mb * dp_size):
+            what = "world size" if self.distributed.sequence_parallel == 1 else "data-parallel size"
             raise ConfigError(
-                f"global batch of {gb} sequences is not divisible by micro_batch_size {mb} x world size "
-                f"{world_size}: pick a global batch that is a multiple of {mb * world_size}")
-        return gb // (mb * world_size)
+                f"global batch of {gb} sequences is not divisible by micro_batch_size {mb} x {what} "
+                f"{dp_size}: pick a global batch that is a multiple of {mb * dp_size}")
+        return gb // (mb * dp_size)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def _choice(out: list[str], name: str, value, allowed: tuple) -> None:

@@ -12,6 +12,7 @@ every CPU test and crash on the first multi-GPU run; `all_reduce` refuses one on
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import socket
@@ -25,14 +26,34 @@ from pretrain.errors import collective
 
 @dataclass
 class Dist:
+    """This process's place in the run. The parallel layout: world = data-parallel x sequence-parallel
+    (`sp`, distributed.sequence_parallel); a sequence-parallel group is `sp` consecutive ranks (one
+    node's GPUs, where the all-to-all is cheapest), which read the same sequences, each holding T/sp
+    tokens of them. Data (the loader, batch sizes, the data position) is per data-parallel rank;
+    ZeRO shards over every rank."""
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
+    sp: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: the groups that read different sequences."""
+        return self.world_size // self.sp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.sp
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's slice of its group's sequences: tokens [sp_rank * T/sp, (sp_rank + 1) * T/sp)."""
+        return self.rank % self.sp
 
 
 def _env_from_slurm() -> None:
@@ -99,8 +120,8 @@ def init(backend: str = "auto", timeout_s: float = 1800.0) -> Dist:
     timeout = datetime.timedelta(seconds=timeout_s)
     deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)
     global _CPU_GROUP, _CHECKPOINT_GROUP
-    global _DEVICE_TYPE
-    _DEVICE_TYPE = device.type
+    global _DEVICE_TYPE, _TIMEOUT
+    _DEVICE_TYPE, _TIMEOUT = device.type, timeout
     if dist.get_world_size() > 1:
         # Host-to-host agreement (stop signals) without touching a GPU: a gloo group beside nccl.
         _CPU_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
@@ -111,6 +132,29 @@ def init(backend: str = "auto", timeout_s: float = 1800.0) -> Dist:
 
 _CPU_GROUP = _CHECKPOINT_GROUP = None
 _DEVICE_TYPE = "cpu"  # the device type of the default group's tensors
+_TIMEOUT = None
+_SEQUENCE_GROUP = None
+
+
+def init_sequence_parallel(env: Dist, size: int) -> Dist:
+    """Split the world into sequence-parallel groups of `size` consecutive ranks (config checks that
+    `size` divides the world) and return `env` with the layout. Each group is on the default backend
+    (NCCL on GPUs: the all-to-all moves device tensors). ZeRO and DeepSpeed see every rank as a
+    data-parallel one (pretrain/parallelize.py)."""
+    global _SEQUENCE_GROUP
+    if size <= 1 or _SEQUENCE_GROUP is not None:
+        return dataclasses.replace(env, sp=max(size, 1))
+    for first in range(0, env.world_size, size):  # every rank creates every group, in the same order
+        ranks = list(range(first, first + size))
+        group = dist.new_group(ranks, timeout=_TIMEOUT)
+        if env.rank in ranks:
+            _SEQUENCE_GROUP = group
+    return dataclasses.replace(env, sp=size)
+
+
+def sequence_group():
+    """This rank's sequence-parallel group (None without sequence parallelism)."""
+    return _SEQUENCE_GROUP
 
 
 def cpu_group():
@@ -286,5 +330,7 @@ def barrier() -> None:
 
 
 def shutdown() -> None:
+    global _SEQUENCE_GROUP, _ALL_RANKS_GROUP
+    _SEQUENCE_GROUP = None
     if dist.is_initialized():
         dist.destroy_process_group()

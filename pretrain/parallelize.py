@@ -8,7 +8,9 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from pretrain import distributed
 from pretrain.config import Config
+from pretrain.model import ulysses
 from pretrain.model.args import ModelArgs
 from pretrain.model.model import Transformer
 from pretrain.optim import build_optimizer
@@ -56,8 +58,17 @@ def engine_zero_stage(cfg: Config, precision: str) -> int:
 
 def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict:
     """The DeepSpeed JSON for this run, from our config: no "auto" values, nothing left to defaults
-    that matter (DeepSpeed's gradient_clipping default is 1.0, so it is always written)."""
+    that matter (DeepSpeed's gradient_clipping default is 1.0, so it is always written).
+
+    DeepSpeed is not told of sequence parallelism: to it every rank is a data-parallel rank with
+    micro-batches of its own, ZeRO shards over all of them and averages their gradients, the same at
+    every stage. (Its own Ulysses support, an `mpu`, sums the gradients of a sequence group at ZeRO
+    1-2 and at ZeRO-3's contiguous reduce, but averages them in ZeRO-3's reduce-scatter: half the
+    gradient at N = 2.) What makes the average right is the loss: each rank of a group divides its
+    summed loss by the group's labels per rank (data_pipeline.sequence_shard), so the mean of the
+    group's losses is the mean over all its tokens."""
     d, sizes = cfg.distributed, zero_sizes(cfg)
+    dp_size = world_size // d.sequence_parallel
     zero: dict = {"stage": engine_zero_stage(cfg, precision), "overlap_comm": d.overlap_comm,
                   "contiguous_gradients": True,
                   "reduce_bucket_size": sizes["reduce_bucket_size"]}
@@ -68,9 +79,9 @@ def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict:
     if d.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return {
-        "train_batch_size": cfg.global_batch(world_size),
+        "train_batch_size": cfg.global_batch(dp_size) * d.sequence_parallel,  # (micro x accumulation x ranks)
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
-        "gradient_accumulation_steps": cfg.grad_accum(world_size),
+        "gradient_accumulation_steps": cfg.grad_accum(dp_size),
         "gradient_clipping": 0.0 if trainer_clips(cfg, precision) else cfg.optimizer.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
@@ -120,6 +131,8 @@ def build_model(args: ModelArgs, cfg: Config, ds_config: dict, seed: int) -> Tra
         model = Transformer(args)
         model.init_weights()
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    if cfg.distributed.sequence_parallel > 1:
+        ulysses.apply(model, distributed.sequence_group(), cfg.distributed.sequence_parallel)
     return model
 
 

@@ -115,6 +115,7 @@ def run(config_path: str, overrides: list[str], stop: StopSignal) -> int:
         try:
             cfg.validate(env.world_size)
             faults.from_env(env.world_size)
+            env = distributed.init_sequence_parallel(env, cfg.distributed.sequence_parallel)
             summary = _train(cfg, env, stop)
         except StoppedAtStartup as e:  # every rank alike: the start-up checks are collective
             distributed.barrier()
@@ -201,7 +202,7 @@ def _train(cfg, env, stop: StopSignal):
         fpt = flops_per_token(model_args, cfg.data.seq_len)
         scaling = {"n_params": n_total, "n_params_non_embedding": n_non_emb, "n_params_matmul": matmul_params(model_args),
                    "flops_per_token": fpt, "world_size": env.world_size, "precision": precision,
-                   "tokens_per_step": cfg.global_batch(env.world_size) * cfg.data.seq_len}
+                   "sequence_parallel": env.sp, "tokens_per_step": cfg.global_batch(env.dp_size) * cfg.data.seq_len}
         if env.is_main:
             import json
 
@@ -209,10 +210,10 @@ def _train(cfg, env, stop: StopSignal):
             (run_dir.path / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2))
         logger = build.loggers(cfg, env, run_dir.path, run_dir.run_id, start.step,
                                {**resolved, "scaling": {**resolved["scaling"], **scaling}, "provenance": provenance})
-        log.info("model: %.2fM parameters (%.2fM non-embedding), %.1f MFLOPs/token | world size %d | %s | "
+        log.info("model: %.2fM parameters (%.2fM non-embedding), %.1f MFLOPs/token | world size %d%s | %s | "
                  "ZeRO-%d | global batch %d x %d tokens", n_total / 1e6, n_non_emb / 1e6, fpt / 1e6,
-                 env.world_size, precision, cfg.distributed.zero_stage, cfg.global_batch(env.world_size),
-                 cfg.data.seq_len)
+                 env.world_size, f" (sequence parallel {env.sp} x data parallel {env.dp_size})" if env.sp > 1 else "",
+                 precision, cfg.distributed.zero_stage, cfg.global_batch(env.dp_size), cfg.data.seq_len)
         trainer = Trainer(cfg, env, engine, loader, val_batches, Schedule(cfg), ckpt, logger, fpt, precision, stop,
                           tasks=suite)
         ckpt.track(engine=engine, trainer=trainer, data=DataPosition(loader), rng=RNGState(env))

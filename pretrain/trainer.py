@@ -20,6 +20,7 @@ import data_pipeline as dp
 from pretrain import distributed, faults
 from pretrain.errors import NonFiniteStep
 from pretrain.metrics import MetricLogger, memory_stats, peak_flops
+from pretrain.model import ulysses
 from pretrain.optim import set_lr
 from pretrain.parallelize import trainer_clips
 from pretrain.resilience import Rollbacks, Spikes
@@ -43,8 +44,8 @@ class Trainer:
         self.tasks = tasks  # train.eval_tasks: a pretrain.tasks.TaskSuite bound to the tokenizer, or None
         self.val_batches, self.schedule, self.ckpt, self.logger = val_batches, schedule, ckpt, logger
         self.flops_per_token, self.stop = flops_per_token, stop
-        self.accum = cfg.grad_accum(env.world_size)
-        self.tokens_per_step = cfg.global_batch(env.world_size) * cfg.data.seq_len
+        self.accum = cfg.grad_accum(env.dp_size)
+        self.tokens_per_step = cfg.global_batch(env.dp_size) * cfg.data.seq_len
         self.peak = peak_flops(env.device, precision, cfg.distributed.peak_flops)
         self.step = 0  # optimizer steps done
         self.skipped = 0  # steps whose update was dropped (non-finite loss or gradient norm)
@@ -113,12 +114,12 @@ class Trainer:
                     else torch.zeros(())
             loss_sum, bad, norm_value = self._read_stats(norm)
             if bad:
-                self._nonfinite(f"loss is {loss_sum / (self.accum * self.env.world_size)}")  # stop: raises
+                self._nonfinite(f"loss is {self._mean(loss_sum)}")  # stop: raises
                 return None
             if not math.isfinite(norm_value) or norm_value < 0:  # DeepSpeed masks a NaN/Inf group norm to -1
                 self._grad_nonfinite = True
                 return None
-            self._spike = self.spikes.check(loss_sum / (self.accum * self.env.world_size), norm_value)
+            self._spike = self.spikes.check(self._mean(loss_sum), norm_value)
             if self._spike:  # (the same on every rank: the loss and the norm are global)
                 return None
             if self.clip and params:  # (it takes the parameters, and scales their .grad)
@@ -147,13 +148,30 @@ class Trainer:
         if self.watchdog is not None:
             self.watchdog.progress()
 
+    def _mean(self, loss_sum: float) -> float:
+        """The step's mean loss from the sum of every rank's micro-batch losses (the losses of a
+        sequence-parallel group's ranks average to the group's mean, as data-parallel ranks' do)."""
+        return loss_sum / (self.accum * self.env.world_size)
+
     def _next_batch(self):
         self._mark("data")
         t0 = time.perf_counter()
         batch = next(self.data_iter)
         self.timers["data"] += time.perf_counter() - t0
+        return self._inputs(batch)
+
+    def _inputs(self, batch: dict):
+        """(input ids, labels, the model's other arguments) on the device: under sequence parallelism
+        this rank's slice of the sequences, with its positions, the documents and the label count of
+        the whole sequences (data_pipeline.sequence_shard)."""
+        if self.env.sp > 1:
+            a = self.engine.module.args
+            batch = dp.sequence_shard(batch, self.env.sp_rank, self.env.sp, a.eot_id if a.document_mask else None,
+                                      a.document_positions)
+        extra = {k: v.to(self.env.device, non_blocking=True) if torch.is_tensor(v) else v
+                 for k, v in batch.items() if k not in ("input_ids", "labels")}
         return (batch["input_ids"].to(self.env.device, non_blocking=True),
-                batch["labels"].to(self.env.device, non_blocking=True))
+                batch["labels"].to(self.env.device, non_blocking=True), extra)
 
     def train_step(self) -> float:
         """One optimizer step over `accum` micro-batches; returns the global mean loss. One device
@@ -167,11 +185,11 @@ class Trainer:
         self._host_stats = None
         losses = torch.zeros(self.accum, device=self.env.device)
         for i in range(self.accum):
-            inputs, labels = self._next_batch()
+            inputs, labels, extra = self._next_batch()
             self._mark("forward/backward")
             self.faults.at_forward(self.step + 1, i == 0)
             t0 = time.perf_counter()
-            loss = self.engine(inputs, labels, loss_chunk=self.cfg.train.loss_chunk_tokens)  # mean over tokens
+            loss = self.engine(inputs, labels, loss_chunk=self.cfg.train.loss_chunk_tokens, **extra)  # mean over tokens
             loss = self.faults.loss(loss, self.step + 1)
             losses[i] = loss.detach()
             if i == self.accum - 1:  # queued on the device; read by _read_stats
@@ -187,7 +205,7 @@ class Trainer:
             self.timers["compute"] += time.perf_counter() - t0
         loss_sum, bad = self._read_stats()[:2]
         if bad and not self._drop_update:  # DeepSpeed dropped the update itself; the guard never ran
-            self._nonfinite(f"loss is {loss_sum / (self.accum * self.env.world_size)}")
+            self._nonfinite(f"loss is {self._mean(loss_sum)}")
         # The gradient norm was not finite: our guard or DeepSpeed's own overflow check dropped the update.
         grad_bad = self._grad_nonfinite or not self.engine.was_step_applied()
         if grad_bad and self.fp16 and not self._grad_nonfinite and not bad:
@@ -214,8 +232,8 @@ class Trainer:
         else:
             self.skipped_in_a_row = 0
             if len(self._host_stats) == 3:  # (the guard read the norm: the update was applied)
-                self.spikes.accept(loss_sum / (self.accum * self.env.world_size), self._host_stats[2])
-        return loss_sum / (self.accum * self.env.world_size)
+                self.spikes.accept(self._mean(loss_sum), self._host_stats[2])
+        return self._mean(loss_sum)
 
     def _stop_if_diverging(self) -> None:
         limit = self.cfg.train.max_consecutive_skips
@@ -259,9 +277,11 @@ class Trainer:
             sums = torch.zeros(2, device=self.env.device, dtype=torch.float64)
             for batch in self.val_batches:
                 self._progress()
-                inputs, labels = batch["input_ids"].to(self.env.device), batch["labels"].to(self.env.device)
-                sums[0] += self.engine(inputs, labels, loss_chunk=self.cfg.train.loss_chunk_tokens) * labels.numel()
-                sums[1] += labels.numel()
+                inputs, labels, extra = self._inputs(batch)
+                scored = (labels != -100).sum()
+                loss = self.engine(inputs, labels, loss_chunk=self.cfg.train.loss_chunk_tokens, **extra)
+                sums[0] += loss * extra.get("label_count", scored)  # this rank's summed loss
+                sums[1] += scored
             distributed.all_reduce(sums)
             loss = (sums[0] / sums[1]).item()
             out = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
@@ -272,8 +292,10 @@ class Trainer:
                 self._progress()
                 return self.engine(tokens)
 
-            results = self.tasks(logits, self.env.device, self.env.rank, self.env.world_size,
-                                 distributed.all_gather_objects)
+            # Task requests are short: each rank scores its own, whole, without the sequence exchange.
+            with ulysses.local_attention(self.engine.module):
+                results = self.tasks(logits, self.env.device, self.env.rank, self.env.world_size,
+                                     distributed.all_gather_objects)
             out.update({f"eval/{task}/{k}": v for task, r in results.items() for k, v in r["metrics"].items()})
             out["eval/tasks_s"] = time.perf_counter() - t0
         self.engine.train()

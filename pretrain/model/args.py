@@ -25,6 +25,9 @@ class ModelArgs:
     rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original/high_freq_factor are kept
     rope_original_max_seq_len: int = 8192  # llama3 scaling: the context the model was pretrained at
     max_seq_len: int = 2048  # longest sequence in tokens (RoPE table and KV-cache size)
+    document_mask: bool = False  # each token attends only to its own document of a packed sequence (docs/long_context.md)
+    document_positions: bool = False  # with document_mask: RoPE positions restart at 0 at each document
+    eot_id: int = -1  # the token that separates packed documents (-1 = the tokenizer's, data.eot_token)
     tie_embeddings: bool = False  # share the token embedding and the LM head weights
     init_std: float = 0.02  # std of normal init; output projections use init_std / sqrt(2 * n_layers)
     parametrization: str = "sp"  # sp (standard) | mup (width transfer) | completep (width and depth): docs/mup.md
@@ -149,6 +152,9 @@ class ModelArgs:
                        "rope_high_freq_factor and rope_original_max_seq_len > 0")
         if self.init_std <= 0:
             out.append(f"model.init_std={self.init_std} must be positive")
+        if self.document_positions and not self.document_mask:
+            out.append("model.document_positions=true restarts positions per document, which only means something "
+                       "with model.document_mask=true: set both")
         out += self._parametrization_problems()
         return out
 

@@ -20,8 +20,10 @@ from typing import Callable, ContextManager
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
+from data_pipeline.documents import document_ids, document_positions
 from pretrain.model.args import ModelArgs
 
 Gather = Callable[[list[nn.Parameter]], ContextManager]
@@ -63,14 +65,47 @@ def precompute_freqs_cis(head_dim: int, end: int, theta: float = 10000.0,
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, T, heads, hd) by the table rows for its T positions (T, hd/2, 2), in fp32.
+    """Rotate x (B, T, heads, hd) by the table rows for its T positions (T, hd/2, 2), or for each
+    row's own positions (B, T, hd/2, 2), in fp32.
 
     Dimension i is paired with i + hd/2 (rotate-half, HF Llama's layout). Returns x's dtype.
     """
-    cos = freqs_cis[:, None, :, 0].float()  # (T, 1, hd/2), broadcasts over B and heads
-    sin = freqs_cis[:, None, :, 1].float()
+    cos = freqs_cis[..., None, :, 0].float()  # (T, 1, hd/2) or (B, T, 1, hd/2): broadcasts over heads
+    sin = freqs_cis[..., None, :, 1].float()
     x1, x2 = x.float().chunk(2, dim=-1)  # (B, T, heads, hd/2) each
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+FLEX_DEVICES = {"cuda"}  # devices whose document masks are FlexAttention block masks (others: a dense mask)
+
+
+def document_mask(documents: torch.Tensor):
+    """The attention mask of packed documents: token i attends to token j iff j <= i and both are
+    in the same document. documents (B, T) -> on FLEX_DEVICES a FlexAttention BlockMask (blocks
+    with nothing to attend are skipped, and no T x T tensor is made), elsewhere a (B, 1, T, T)
+    boolean mask for SDPA (T^2 bytes per row: fine on CPU at the lengths a CPU trains)."""
+    B, T = documents.shape
+    if documents.device.type in FLEX_DEVICES:
+        def same_document_causal(b, h, q, kv):
+            return (documents[b, q] == documents[b, kv]) & (kv <= q)
+
+        return create_block_mask(same_document_causal, B, None, T, T, device=documents.device,
+                                 _compile=documents.device.type == "cuda")
+    causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
+    return (documents[:, None, :, None] == documents[:, None, None, :]) & causal
+
+
+_COMPILED_FLEX = None
+
+
+def _flex_attention(device: torch.device):
+    """FlexAttention; compiled on GPUs (eager it materialises the scores: for tests on CPU only)."""
+    global _COMPILED_FLEX
+    if device.type != "cuda":
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention)
+    return _COMPILED_FLEX
 
 
 class KVCache:
@@ -103,7 +138,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, cache_k: torch.Tensor | None = None,
-                cache_v: torch.Tensor | None = None, start_pos: int = 0) -> torch.Tensor:
+                cache_v: torch.Tensor | None = None, start_pos: int = 0, mask=None) -> torch.Tensor:
+        """x (B, T, D), freqs_cis (T or B x T, hd/2, 2); `mask`: None (causal) or a document mask
+        (see `document_mask`)."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, hd)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KV, hd)
@@ -114,18 +151,27 @@ class Attention(nn.Module):
             cache_k[:, start_pos:start_pos + T] = k
             cache_v[:, start_pos:start_pos + T] = v
             k, v = cache_k[:, :start_pos + T], cache_v[:, :start_pos + T]  # (B, S, KV, hd)
+            S = k.size(1)
+            # SDPA's is_causal aligns the mask top-left, right only without past keys; one new token
+            # sees every key; a chunk after a past needs the mask shifted by start_pos.
+            if S != T and T > 1:
+                mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+        out = self.attend(q, k, v, mask)  # (B, T, H, hd)
+        return self.wo(out.reshape(B, T, -1))  # (B, T, D)
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+        """Attention of q (B, T, H, hd) over k, v (B, S, KV, hd) -> (B, T, H, hd). Causal when `mask`
+        is None (and T > 1); else a boolean mask (True = attend) or a FlexAttention BlockMask.
+        Sequence parallelism replaces this method on each layer with the all-to-all exchange around
+        it (pretrain/model/ulysses.py): heads of the whole sequence in, the same layout out."""
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T or S, hd)
-        S = k.size(2)
-        # SDPA's is_causal aligns the mask top-left, right only without past keys; one new token
-        # sees every key; a chunk after a past needs the mask shifted by start_pos.
-        mask = None
-        if S != T and T > 1:
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
-        # enable_gqa lets the kernel share each KV head across its query group without copying K/V.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=(S == T and T > 1),
-                                             scale=self.scale, enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, hd)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
+        gqa = k.size(1) != q.size(1)  # the kernel shares each KV head across its query group without copying
+        if isinstance(mask, BlockMask):
+            out = _flex_attention(q.device)(q, k, v, block_mask=mask, scale=self.scale, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and q.size(2) > 1,
+                                                 scale=self.scale, enable_gqa=gqa)
+        return out.transpose(1, 2)  # (B, T, H, hd)
 
     def init_weights(self, std: float, out_std: float) -> None:
         for w in (self.wq, self.wk, self.wv):
@@ -155,7 +201,8 @@ LOSS_CHUNK_BYTES = 1 << 28  # fp32 logits of one chunk of the loss: 256 MiB
 
 
 def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of one chunk: h (n, D), labels (n,) -> scalar fp32."""
+    """Summed cross-entropy of one chunk: h (n, D), labels (n,) -> scalar fp32 (labels of -100 are
+    not scored)."""
     return F.cross_entropy(F.linear(h, weight).float(), labels, reduction="sum")
 
 
@@ -166,19 +213,23 @@ class LMHead(nn.Linear):
     their fp32 copy never exist at once. (A module of its own so that ZeRO-3 gathers its weight for
     the loss as for the logits.)"""
 
-    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk: int = 0,
+                label_count: float = 0) -> torch.Tensor:
+        """The loss is the sum over the scored labels (not -100) divided by `label_count`, by default
+        their number here."""
         if labels is None:
             return super().forward(h)  # (B, T, V)
         h, labels = h.flatten(0, 1), labels.flatten()  # (N, D), (N,)
         n = labels.numel()
+        divisor = label_count or (labels != -100).sum().clamp(min=1)  # (a device tensor: no host sync)
         chunk = chunk or max(128, LOSS_CHUNK_BYTES // (4 * self.out_features))
         if n <= chunk:  # one chunk: nothing to save by recomputing
-            return _chunk_loss(h, self.weight, labels) / n
+            return _chunk_loss(h, self.weight, labels) / divisor
         total = h.new_zeros((), dtype=torch.float32)
         for i in range(0, n, chunk):
             total = total + checkpoint(_chunk_loss, h[i:i + chunk], self.weight, labels[i:i + chunk],
                                        use_reentrant=False)
-        return total / n
+        return total / divisor
 
 
 class TransformerBlock(nn.Module):
@@ -191,10 +242,10 @@ class TransformerBlock(nn.Module):
         self.residual_scale = args.residual_scale  # completep: 1 / m_L on each branch
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, cache_k: torch.Tensor | None = None,
-                cache_v: torch.Tensor | None = None, start_pos: int = 0) -> torch.Tensor:
-        """x (B, T, D), freqs_cis (T, hd/2, 2) -> (B, T, D). Tensors, None and ints only, so that
-        activation checkpointing can wrap the block."""
-        a = self.attention(self.attention_norm(x), freqs_cis, cache_k, cache_v, start_pos)
+                cache_v: torch.Tensor | None = None, start_pos: int = 0, mask=None) -> torch.Tensor:
+        """x (B, T, D), freqs_cis (T or B x T, hd/2, 2) -> (B, T, D). Tensors, None, ints and a
+        BlockMask only, so that activation checkpointing can wrap the block."""
+        a = self.attention(self.attention_norm(x), freqs_cis, cache_k, cache_v, start_pos, mask)
         if self.residual_scale == 1.0:
             h = x + a
             return h + self.feed_forward(self.ffn_norm(h))
@@ -214,6 +265,8 @@ class Transformer(nn.Module):
         problems = args.problems()
         if not args.vocab_size:
             problems.append("model.vocab_size=0: set it, or let the trainer fill it from the tokenizer")
+        if args.document_mask and args.eot_id < 0:
+            problems.append("model.document_mask=true needs model.eot_id (the trainer fills it from the tokenizer)")
         if problems:
             raise ValueError("; ".join(problems))
         self.args = args
@@ -248,29 +301,45 @@ class Transformer(nn.Module):
         return self
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, cache: KVCache | None = None,
-                start_pos: int = 0, loss_chunk: int = 0) -> torch.Tensor:
+                start_pos: int = 0, loss_chunk: int = 0, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None, label_count: float = 0) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, V) in the parameters' dtype; with labels (B, T), the
         mean cross-entropy (fp32 scalar) instead, `loss_chunk` tokens at a time (0 = as many as make
-        256 MiB of fp32 logits; see LMHead).
+        256 MiB of fp32 logits; see LMHead), over the labels that are not -100 (or divided by
+        `label_count`).
 
         With `cache`, the tokens sit at positions start_pos..start_pos+T-1 and attend to the cached
-        past; without, they start at 0 (training).
+        past; without, they start at 0 (training), or at `positions` (B, T) where given.
+        With model.document_mask, tokens attend within their document only: `documents` (B, T') are
+        the document ids (default: from the tokens and model.eot_id; data_pipeline/documents.py).
+        Under sequence parallelism each rank passes its slice of the tokens with their `positions`,
+        the whole sequences' `documents` (T' = the whole length) and the whole sequences' scored
+        labels per rank as `label_count`, so that the group's losses average to its mean
+        (data_pipeline.sequence_shard).
         """
         B, T = tokens.shape
         end = start_pos + T
         if end > self.args.max_seq_len:
             raise ValueError(f"positions up to {end} exceed model.max_seq_len={self.args.max_seq_len}")
+        mask = None
+        if self.args.document_mask and cache is None:
+            if documents is None:
+                documents = document_ids(tokens, self.args.eot_id)
+            if positions is None and self.args.document_positions:
+                positions = document_positions(documents)
+            mask = document_mask(documents)
         h = self.tok_embeddings(tokens)  # (B, T, D)
-        freqs_cis = self.freqs_cis[start_pos:end]  # (T, hd/2, 2)
+        # (T, hd/2, 2), or each row's own positions (B, T, hd/2, 2)
+        freqs_cis = self.freqs_cis[start_pos:end] if positions is None else self.freqs_cis[positions]
         for i, layer in enumerate(self.layers):
             if cache is None:
-                h = layer(h, freqs_cis)
+                h = layer(h, freqs_cis, None, None, 0, mask)
             else:
                 h = layer(h, freqs_cis, cache.k[i], cache.v[i], start_pos)
         h = self.norm(h)
         if self.logit_scale != 1.0:  # applied to the head's input: the same, and D wide instead of V
             h = h * self.logit_scale
-        return self.output(h, labels, loss_chunk)  # (B, T, V), or the loss
+        return self.output(h, labels, loss_chunk, label_count)  # (B, T, V), or the loss
 
     @torch.no_grad()
     def init_weights(self, gather: Gather | None = None) -> None:
