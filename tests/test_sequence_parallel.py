@@ -1,0 +1,262 @@
+"""Ulysses sequence parallelism and document masking: exact against one rank, on the user's path
+(ZeRO-3, activation checkpointing, bf16 and fp32, seq_len >= 1024), at 2 and 4 CPU ranks, and
+resumable across sequence-parallel and data-parallel sizes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import data_pipeline as dp
+from helpers import REPO, free_port, losses, read_metrics, run_train, train_env
+from pretrain.config import load_config
+from pretrain.model.args import ModelArgs
+from pretrain.model.model import Transformer
+
+# -- the data path: slices, positions, documents
+
+
+def test_a_shard_is_the_ranks_slice_with_its_positions_and_the_whole_documents():
+    tokens = torch.tensor([[5, 6, 0, 7, 8, 9, 0, 3], [1, 2, 3, 4, 5, 6, 7, 8]])
+    batch = {"input_ids": tokens, "labels": tokens.roll(-1, 1)}
+    batch["labels"][0, :3] = -100
+    parts = [dp.sequence_shard(batch, r, 2, eot=0) for r in range(2)]
+    assert torch.equal(torch.cat([p["input_ids"] for p in parts], 1), tokens)
+    assert parts[1]["positions"].tolist() == [[4, 5, 6, 7]] * 2  # where the tokens are, not 0..3
+    assert parts[0]["documents"].tolist() == [[0, 0, 1, 1, 1, 1, 2, 2], [0] * 8]  # whole, on every rank
+    assert parts[0]["label_count"] == parts[1]["label_count"] == 13 / 2  # the group's scored labels per rank
+    restarted = dp.sequence_shard(batch, 1, 2, eot=0, restart_positions=True)["positions"]
+    assert restarted.tolist() == [[2, 3, 0, 1], [4, 5, 6, 7]]  # the separator opens a document at 0
+    with pytest.raises(ValueError, match="not divisible"):
+        dp.sequence_shard(batch, 0, 3)
+
+
+@pytest.mark.parametrize("change, named", [
+    ("distributed.sequence_parallel=3", "does not divide model.n_heads=4"),
+    ("data.seq_len=129", "does not divide data.seq_len=129"),
+    ("distributed.sequence_parallel=0", "must be >= 1"),
+    ("model.document_positions=true", "only means something with model.document_mask=true"),
+])
+def test_an_impossible_layout_is_named_with_its_fix(change, named):
+    base = ["distributed.sequence_parallel=2"]
+    with pytest.raises(Exception, match=named):
+        load_config(REPO / "configs" / "tiny.yaml", [*base, change], world_size=2)
+
+
+def test_a_size_that_does_not_divide_the_world_is_one_line_and_exit_2(tmp_path):
+    proc = run_train([f"train.run_dir={tmp_path}", "distributed.sequence_parallel=2"], check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "does not divide the world size 1" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# -- the model: one process against a sequence-parallel group, gradients and all
+
+_EXACT = r"""
+import copy, json, sys, torch, torch.distributed as dist, torch.nn.functional as F
+import data_pipeline as dp
+from pretrain import distributed
+from pretrain.model import ulysses
+from pretrain.model.args import ModelArgs
+from pretrain.model.model import Transformer
+
+sp = int(sys.argv[1])
+env = distributed.init("gloo")
+env = distributed.init_sequence_parallel(env, sp)
+group = distributed.sequence_group()
+T, B, EOT = 1024, 2, 0
+out = []
+for kv, mask, positions in [(4, False, False), (2, False, False), (1, True, True), (2, True, False)]:
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=kv, vocab_size=128, multiple_of=32, max_seq_len=T,
+                     document_mask=mask, document_positions=positions, eot_id=EOT)
+    torch.manual_seed(0)
+    whole = Transformer(args)
+    whole.init_weights()
+    model = copy.deepcopy(whole)
+    ulysses.apply(model, group, sp)
+    g = torch.Generator().manual_seed(7 + env.dp_rank)  # each data-parallel group its own sequences
+    tokens = torch.randint(1, 128, (B, T + 1), generator=g)
+    if mask:  # documents of random lengths
+        tokens[torch.rand(B, T + 1, generator=g) < 0.01] = EOT
+    inputs, labels = tokens[:, :-1], tokens[:, 1:].clone()
+    labels[0, : 3 * T // 8] = -100  # unscored labels, all on the first ranks' slices
+    ref = whole(inputs, labels)
+    ref.backward()
+    shard = dp.sequence_shard({"input_ids": inputs, "labels": labels}, env.sp_rank, sp, EOT if mask else None,
+                              positions)
+    extra = {k: v for k, v in shard.items() if k not in ("input_ids", "labels")}
+    loss = model(shard["input_ids"], shard["labels"], **extra)
+    loss.backward()
+    # What DeepSpeed does over the ranks: average the losses and the gradients.
+    mean = loss.detach().clone()
+    dist.all_reduce(mean, group=group)
+    mean /= sp
+    worst = 0.0
+    for (name, p), (_, q) in zip(model.named_parameters(), whole.named_parameters()):
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=group)
+        grad /= sp
+        worst = max(worst, ((grad - q.grad).abs().max() / q.grad.abs().max()).item())
+    case = {"kv": kv, "mask": mask, "positions": positions, "loss": mean.item(), "ref": ref.item(), "grad": worst}
+    if mask:  # the packed sequence scores token for token like each document alone
+        with torch.no_grad():
+            logits = model(shard["input_ids"], positions=shard["positions"], documents=shard["documents"])
+            parts = [torch.empty_like(logits) for _ in range(sp)]
+            dist.all_gather(parts, logits.contiguous(), group=group)
+            packed = F.cross_entropy(torch.cat(parts, 1).flatten(0, 1), tokens[:, 1:].flatten(),
+                                     reduction="none").view(B, T)
+            alone = torch.empty(B, T)
+            plain = copy.deepcopy(whole)
+            plain.args.document_mask = False
+            docs = dp.document_ids(inputs, EOT)
+            for b in range(B):
+                for d in docs[b].unique():
+                    idx = (docs[b] == d).nonzero().flatten()
+                    start, end = idx[0].item(), idx[-1].item() + 1
+                    pos = torch.arange(0 if positions else start, (0 if positions else start) + end - start)
+                    lg = plain(inputs[b:b + 1, start:end], positions=pos[None])
+                    alone[b, start:end] = F.cross_entropy(lg[0], tokens[b, start + 1:end + 1], reduction="none")
+            case["alone"] = (packed - alone).abs().max().item()
+            case["documents"] = int(docs.max()) + 1
+    out.append(case)
+if env.rank == 0:
+    print("RESULT " + json.dumps(out))
+distributed.shutdown()
+"""
+
+
+def _exact(nproc: int, sp: int, tmp_path) -> list[dict]:
+    script = tmp_path / "exact.py"
+    script.write_text(_EXACT)
+    cmd = [sys.executable, str(script), str(sp)]
+    if nproc > 1:
+        cmd[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+    proc = subprocess.run(cmd, cwd=REPO, env=train_env({"PYTHONPATH": str(REPO)}), capture_output=True, text=True,
+                          timeout=300)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[0][len("RESULT "):])
+
+
+@pytest.mark.parametrize("nproc, sp", [(1, 1), (2, 2), (4, 4), (4, 2)])
+def test_a_sequence_parallel_group_computes_what_one_process_does(nproc, sp, tmp_path):
+    """Loss within 1e-6 (relative, fp32) and every gradient within 1e-5 of its tensor's largest entry,
+    with MHA, GQA, KV heads replicated (1 and 2 KV heads at N = 4), unscored labels on some ranks
+    only (the mean is over the group's tokens, not of the ranks' means), positions offset to the
+    slice's place, and document masking: token for token like each document alone."""
+    for case in _exact(nproc, sp, tmp_path):
+        assert case["loss"] == pytest.approx(case["ref"], rel=1e-6), case
+        assert case["grad"] < 1e-5, case
+        if case["mask"]:
+            assert case["documents"] > 10, case
+            assert case["alone"] < 1e-5, case
+
+
+def test_document_masking_scores_like_each_document_alone_in_one_process():
+    args = ModelArgs(dim=32, n_layers=2, n_heads=2, vocab_size=64, multiple_of=32, max_seq_len=64,
+                     document_mask=True, document_positions=True, eot_id=0)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    tokens = torch.tensor([[3, 4, 5, 0, 6, 7, 8, 9, 0, 10, 11]])
+    packed = model(tokens)
+    unmasked = Transformer(ModelArgs(**{**args.__dict__, "document_mask": False, "document_positions": False}))
+    unmasked.load_state_dict(model.state_dict())
+    for start, end in [(0, 3), (3, 8), (8, 11)]:
+        alone = unmasked(tokens[:, start:end])
+        torch.testing.assert_close(packed[:, start:end], alone, rtol=0, atol=1e-5)
+    assert not torch.allclose(packed, unmasked(tokens), atol=1e-3)  # the mask does something
+
+
+@pytest.mark.parametrize("cpu_flex", [False, True])
+def test_the_flex_attention_mask_equals_the_dense_one(monkeypatch, cpu_flex):
+    """GPUs get FlexAttention's block mask, CPUs a dense boolean one: the same attention (FlexAttention
+    runs eagerly on CPU for this check)."""
+    import pretrain.model.model as m
+
+    if cpu_flex:
+        monkeypatch.setattr(m, "FLEX_DEVICES", {"cuda", "cpu"})
+    args = ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=256,
+                     document_mask=True, eot_id=0)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    tokens = torch.randint(1, 64, (2, 256), generator=torch.Generator().manual_seed(1))
+    tokens[:, ::37] = 0
+    mask = m.document_mask(dp.document_ids(tokens, 0))
+    assert isinstance(mask, m.BlockMask) == cpu_flex
+    with torch.no_grad():  # (FlexAttention has no backward on CPU)
+        got = model(tokens)
+        monkeypatch.setattr(m, "FLEX_DEVICES", set())
+        torch.testing.assert_close(got, model(tokens), rtol=1e-5, atol=1e-5)
+
+
+# -- training: the user's path
+
+
+def _losses_and_eval(run):
+    records = read_metrics(run)
+    return losses(run), [r["eval/loss"] for r in records if "eval/loss" in r]
+
+
+SP_RUN = ["data.seq_len=1024", "model.max_seq_len=1024", "train.micro_batch_size=1", "train.global_batch_size=2",
+          "train.max_steps=3", "logging.log_every=1", "logging.wandb=disabled", "train.eval_every=3",
+          "train.eval_batches=1", "distributed.zero_stage=3", "train.activation_checkpointing=1",
+          "schedule.warmup_steps=1", "data.num_streams=4"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision, extra, rel", [
+    ("fp32", ["model.document_mask=true", "model.document_positions=true"], 1e-6),
+    ("bf16", [], 5e-3),
+])
+def test_sequence_parallel_training_equals_one_rank(tmp_path, precision, extra, rel):
+    runs = {}
+    for nproc, sp in [(1, 1), (2, 2)]:
+        run = tmp_path / f"sp{sp}"
+        run_train([*SP_RUN, *extra, f"train.precision={precision}", f"train.run_dir={run}",
+                   f"distributed.sequence_parallel={sp}"], nproc=nproc)
+        runs[sp] = _losses_and_eval(run)
+    (one, one_eval), (two, two_eval) = runs[1], runs[2]
+    assert one.keys() == two.keys() == {1, 2, 3}
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=rel), (step, one, two)
+    assert two_eval == pytest.approx(one_eval, rel=rel)
+
+
+@pytest.mark.slow
+def test_sequence_and_data_parallel_on_four_ranks_equal_one_rank(tmp_path):
+    """SP=2 x DP=2: two groups read different sequences, each split in two; in-loop eval too."""
+    common = [*SP_RUN, "train.precision=fp32", "train.global_batch_size=4"]
+    run_train([*common, f"train.run_dir={tmp_path / 'one'}"])
+    run_train([*common, f"train.run_dir={tmp_path / 'four'}", "distributed.sequence_parallel=2"], nproc=4,
+              timeout=600)
+    (one, one_eval), (four, four_eval) = _losses_and_eval(tmp_path / "one"), _losses_and_eval(tmp_path / "four")
+    for step in one:
+        assert four[step] == pytest.approx(one[step], rel=1e-6), (step, one, four)
+    assert four_eval == pytest.approx(one_eval, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_run_resumes_across_sequence_and_data_parallel_sizes(tmp_path):
+    """Saved at (DP 1, SP 2), resumed at (DP 1, SP 1); saved at (DP 1, SP 1), resumed at (DP 2, SP 2):
+    the losses of an uninterrupted run, the data position exact."""
+    common = [*SP_RUN, "train.precision=fp32", "train.max_steps=4", "train.eval_every=0", "checkpoint.every=2",
+              "train.global_batch_size=2"]
+    straight = tmp_path / "straight"
+    run_train([*common, f"train.run_dir={straight}"])
+    want = losses(straight)
+    for first, then in [((2, 2), (1, 1)), ((1, 1), (4, 2))]:
+        run = tmp_path / f"from{first[0]}x{first[1]}to{then[0]}x{then[1]}"
+        run_train([*common, "train.max_steps=2", f"train.run_dir={run}", f"distributed.sequence_parallel={first[1]}"],
+                  nproc=first[0])
+        run_train([*common, "checkpoint.resume=auto", f"train.run_dir={run}",
+                   f"distributed.sequence_parallel={then[1]}"], nproc=then[0], timeout=600)
+        got = losses(run)
+        assert got.keys() == want.keys()
+        for step in want:
+            assert got[step] == pytest.approx(want[step], rel=1e-6), (first, then, step, got, want)
