@@ -260,3 +260,36 @@ def test_a_run_resumes_across_sequence_and_data_parallel_sizes(tmp_path):
         assert got.keys() == want.keys()
         for step in want:
             assert got[step] == pytest.approx(want[step], rel=1e-6), (first, then, step, got, want)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_with_everything_else_on(tmp_path):
+    """SP=2 with ZeRO-1, bf16, compile, muP, gradient accumulation, a chunked loss, a WSD-S decay
+    branch, in-loop and task evaluation and the fault switch (a NaN step dropped) trains like one
+    rank without any of the parallelism (bf16: within 5e-3)."""
+    tasks = tmp_path / "mine.jsonl"
+    tasks.write_text("".join(json.dumps({"context": c, "continuation": x}) + "\n" for c, x in
+                             [("The function", " returns"), ("A list is", " mutable"), ("import", " os")]))
+    common = ["train.max_steps=4", "logging.log_every=1", "logging.wandb=disabled", "data.seq_len=256",
+              "train.micro_batch_size=1", "train.global_batch_size=2", "distributed.zero_stage=1",
+              "train.precision=bf16", "model.parametrization=mup", "model.mup_base_dim=64",
+              "model.mup_base_head_dim=32", "schedule.kind=wsd", "schedule.decay_points=[3]",
+              "schedule.warmup_steps=1", "train.eval_every=4", "train.eval_batches=1", f"train.eval_tasks=[{tasks}]",
+              "train.loss_chunk_tokens=128", "train.on_nonfinite=skip", "data.num_streams=4"]
+    fault = {"PRETRAIN_FAULT": "nan@step=2"}
+    run_train([*common, f"train.run_dir={tmp_path / 'one'}"], env=fault)
+    run_train([*common, f"train.run_dir={tmp_path / 'two'}", "distributed.sequence_parallel=2", "train.compile=true"],
+              nproc=2, env=fault, timeout=600)
+    one, two = (read_metrics(tmp_path / name) for name in ("one", "two"))
+    train = [[(r["step"], r["train/loss"]) for r in m if "train/loss" in r] for m in (one, two)]
+    assert [s for s, _ in train[0]] == [s for s, _ in train[1]] == [1, 2, 3, 4]
+    assert all(a != a and b != b for (s, a), (_, b) in zip(*train) if s == 2)  # the NaN step, dropped on both
+    for (step, a), (_, b) in zip(*train):
+        if step != 2:
+            assert b == pytest.approx(a, rel=5e-3), (step, train)
+    final = [next(r for r in m if "eval/mine/acc" in r) for m in (one, two)]
+    for key in ("eval/loss", "eval/mine/loss", "eval/mine/bpb"):
+        assert final[1][key] == pytest.approx(final[0][key], rel=5e-3), key
+    branch = [next(r for r in m if "branch/eval_loss" in r) for m in (one, two)]
+    assert branch[1]["branch/end_step"] == branch[0]["branch/end_step"] == 3
+    assert branch[1]["branch/eval_loss"] == pytest.approx(branch[0]["branch/eval_loss"], rel=5e-3)
