@@ -272,7 +272,8 @@ class Config:
             except ConfigError as e:
                 out.append(str(e))
             if self.data.num_streams % dp:
-                out.append(f"data.num_streams={self.data.num_streams} is not divisible by the data-parallel size "
+                what = "world size" if sp == 1 else "data-parallel size"
+                out.append(f"data.num_streams={self.data.num_streams} is not divisible by the {what} "
                            f"{dp}: set data.num_streams to a multiple of it (it is fixed for a run)")
         return out
 
