@@ -25,8 +25,6 @@ def tokenizer_and_model_args(cfg: Config):
     args = hf_model_args(cfg) if hub.is_hf_model(cfg.checkpoint.init_from) else dataclasses.replace(cfg.model)
     if not args.vocab_size:
         args.vocab_size = dp.padded_vocab_size(tokenizer, args.vocab_multiple_of)
-    if args.document_mask and args.eot_id < 0:
-        args.eot_id = dp.eot_id(tokenizer, cfg.data.eot_token)
     elif args.vocab_size < tokenizer.get_vocab_size():
         if hub.is_hf_model(cfg.checkpoint.init_from):  # the vocabulary is the model's: the tokenizer must fit it
             raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} has {tokenizer.get_vocab_size()} tokens, more "
@@ -34,6 +32,8 @@ def tokenizer_and_model_args(cfg: Config):
                               f"({args.vocab_size}): use the model's own tokenizer (data.tokenizer={cfg.checkpoint.init_from})")
         raise ConfigError(f"model.vocab_size={args.vocab_size} is smaller than the tokenizer's "
                           f"{tokenizer.get_vocab_size()} tokens: set it to 0 to derive it")
+    if args.document_mask and args.eot_id < 0:
+        args.eot_id = dp.eot_id(tokenizer, cfg.data.eot_token)
     return tokenizer, args
 
 

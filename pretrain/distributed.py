@@ -330,7 +330,7 @@ def barrier() -> None:
 
 
 def shutdown() -> None:
-    global _SEQUENCE_GROUP, _ALL_RANKS_GROUP
+    global _SEQUENCE_GROUP
     _SEQUENCE_GROUP = None
     if dist.is_initialized():
         dist.destroy_process_group()
