@@ -72,6 +72,7 @@ class TrainConfig:
     overwrite: bool = False  # a fresh run into a run dir holding another run: move that run to run_dir/replaced/
     compile: bool = False  # torch.compile the model (DeepSpeed's engine.compile(); docs/performance.md)
     loss_chunk_tokens: int = 0  # tokens per chunk of the output projection + loss (0 = 256 MiB of fp32 logits)
+    mlp_chunk_tokens: int = 0  # tokens per tile of the MLP, recomputed in backward a tile at a time (0 = whole; long sequences: docs/long_context.md)
 
 
 @dataclass
@@ -241,6 +242,8 @@ class Config:
                        ">= 0 (0 = derived)")
         if t.loss_chunk_tokens < 0:
             out.append("train.loss_chunk_tokens must be >= 0 (0 = derived from the vocabulary size)")
+        if t.mlp_chunk_tokens < 0:
+            out.append("train.mlp_chunk_tokens must be >= 0 (0 = the MLP in one piece)")
         if t.max_consecutive_skips < 0:
             out.append("train.max_consecutive_skips must be >= 0 (0 = no limit)")
         if t.overwrite and self.checkpoint.resume != "none":

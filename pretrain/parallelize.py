@@ -131,6 +131,8 @@ def build_model(args: ModelArgs, cfg: Config, ds_config: dict, seed: int) -> Tra
         model = Transformer(args)
         model.init_weights()
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    for block in model.layers:
+        block.feed_forward.chunk = cfg.train.mlp_chunk_tokens
     if cfg.distributed.sequence_parallel > 1:
         ulysses.apply(model, distributed.sequence_group(), cfg.distributed.sequence_parallel)
     return model

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import data_pipeline as dp
-from helpers import REPO, free_port, losses, read_metrics, run_train, train_env
+from helpers import REPO, free_port, losses, read_metrics, run_train, saved_for_backward, train_env
 from pretrain.config import load_config
 from pretrain.model.args import ModelArgs
 from pretrain.model.model import Transformer
@@ -193,6 +193,36 @@ def test_the_flex_attention_mask_equals_the_dense_one(monkeypatch, cpu_flex):
         got = model(tokens)
         monkeypatch.setattr(m, "FLEX_DEVICES", set())
         torch.testing.assert_close(got, model(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_mlp_tiles_compute_the_same_and_keep_only_their_inputs(tmp_path):
+    """train.mlp_chunk_tokens: the same loss and gradients as the whole MLP, and through the trainer
+    the (tokens, hidden_dim) intermediates of the 4 layers are not saved for backward; it fails if
+    the field is not passed."""
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=128, multiple_of=32, max_seq_len=512)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    tokens = torch.randint(0, 128, (2, 257), generator=torch.Generator().manual_seed(3))
+    grads = {}
+    for chunk in (0, 96):  # (a tile size that does not divide the 512 tokens)
+        for block in model.layers:
+            block.feed_forward.chunk = chunk
+        model.zero_grad()
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        grads[chunk] = (loss.item(), [p.grad.clone() for p in model.parameters()])
+    assert grads[96][0] == pytest.approx(grads[0][0], rel=1e-6)
+    for a, b in zip(grads[0][1], grads[96][1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+    base = ["data.seq_len=64", "train.micro_batch_size=4", "train.max_steps=1", "distributed.zero_stage=0",
+            "train.eval_every=0", "logging.wandb=disabled", "train.loss_chunk_tokens=32"]
+    hidden, n = ModelArgs(**{**ModelArgs().__dict__, "dim": 128, "multiple_of": 64}).hidden_dim, 4 * 64
+    whole = saved_for_backward([*base, f"train.run_dir={tmp_path / 'whole'}"])
+    tiled = saved_for_backward([*base, "train.mlp_chunk_tokens=32", f"train.run_dir={tmp_path / 'tiled'}"])
+    # per layer the whole MLP saves w1's and w3's outputs, silu's and the product (fp32); tiles their inputs only
+    assert whole["bytes"] - tiled["bytes"] >= 4 * 3 * n * hidden * 4, (whole, tiled)
 
 
 # -- training: the user's path

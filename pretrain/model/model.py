@@ -14,6 +14,7 @@ hd head_dim, D dim, V vocab.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Callable, ContextManager
 
@@ -180,15 +181,29 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x).
+
+    With `chunk` > 0 (train.mlp_chunk_tokens) it runs `chunk` tokens at a time, each tile under
+    torch.utils.checkpoint when gradients are on: only the tiles' inputs are kept for backward, and
+    the (tokens, hidden_dim) intermediates exist for one tile at a time, forward and backward (ALST's
+    TiledMLP). For long sequences, where those intermediates are the largest activations."""
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.chunk = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.flatten(0, -2)  # (N, D)
+        if not self.chunk or tokens.size(0) <= self.chunk:
+            return self._swiglu(x)
+        tile = functools.partial(checkpoint, self._swiglu, use_reentrant=False) if torch.is_grad_enabled() \
+            else self._swiglu
+        return torch.cat([tile(part) for part in tokens.split(self.chunk)]).view_as(x)
+
+    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
     def init_weights(self, std: float, out_std: float) -> None:
