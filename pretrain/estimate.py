@@ -2,7 +2,8 @@
 
 Parameters and FLOPs per token (the trainer's own PaLM formula), memory per GPU by part, tokens per
 step, step and total time at an assumed MFU, and for planning past one machine the ZeRO
-communication per step and its time at an interconnect bandwidth, over a range of GPU counts.
+communication per step and its time at an interconnect bandwidth, over a range of GPU counts, and
+over the sequence-parallel sizes the model allows: which one a sequence length needs to fit.
 
 The memory model (bytes, per GPU, n GPUs), what DeepSpeed 0.19 allocates for each setup (measured
 on CPU by counting the tensors alive; docs/performance.md compares it with DeepSpeed's estimators):
@@ -25,6 +26,12 @@ on CPU by counting the tensors alive; docs/performance.md compares it with DeepS
   activation checkpointing keeps p D (its input), and one block's activations live again during
   its recomputation. The head keeps (4.5 + 2p) D + 28 bytes per token, plus the fp32
   log-probabilities (4 V) when the loss is one chunk; the loss chunk's logits are the transient peak.
+  Under Ulysses sequence parallelism over N GPUs (distributed.sequence_parallel) every figure is per
+  token of the rank's T/N tokens: attention's own tensors are for all T tokens over H/N heads, the
+  same bytes, with K and V r times (r = kv_replication: KV heads repeated where they are fewer than
+  N); the output exchanged back is a second copy, p D, and the RoPE rows of the slice's positions
+  4 head_dim once. The exchange's send and receive buffers (2 p D per token) add to the transient.
+  (Checked per rank on 2 real ranks, tests/test_estimate.py.)
 - DeepSpeed's buffers: the all-reduce of stage 0 and of BF16_Optimizer flattens buckets of up to
   5e8 gradients into a copy; stages 1-3 reduce through a bucket, and ZeRO-3 prefetches weights into
   another.
@@ -38,36 +45,79 @@ stage 3 gathers the weights twice (forward, backward) and reduce-scatters once p
 of the weights for gathers and of distributed.grad_dtype for gradients (fp32 by default under bf16). With
 communication overlapped with compute (DeepSpeed's overlap_comm) a step takes about the longer of
 the two; where communication is longer, more GPUs stop paying.
+
+Ulysses' all-to-alls, per GPU per layer per micro-batch: forward sends (N-1)/N of the rank's
+q, k, v (k and v r times) and of the attention output, T/N tokens each; backward sends their
+gradients, the same bytes; a checkpointed block's recomputation repeats the forward's. They run
+between a layer's computations, so their time (at Assumptions.sp_gbps, NVLink within a node) is
+added to the step's.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from pretrain.config import Config
 from pretrain.errors import ConfigError
 from pretrain.model.args import ModelArgs
 from pretrain.model.model import LOSS_CHUNK_BYTES, flops_per_token, num_params
+from pretrain.model.ulysses import kv_replication
 
 GIB = 2**30
 
 
-def activation_bytes(args: ModelArgs, tokens: int, p: int, ac_every: int, loss_chunk: int = 0) -> dict:
-    """Activation memory of one micro-batch of `tokens` tokens in dtype of `p` bytes: what autograd
-    keeps for backward ("saved") and the largest transient on top of it ("peak_extra")."""
-    kvd = args.kv_heads * args.head_dim
-    per_layer = (8 + 6 * p) * args.dim + 2 * p * kvd + 4 * p * args.hidden_dim + 4 * args.n_heads
-    checkpointed = len(range(0, args.n_layers, ac_every)) if ac_every else 0
+def _checkpointed(args: ModelArgs, ac_every: int) -> int:
+    """Blocks under activation checkpointing (parallelize.apply_activation_checkpointing)."""
+    return len(range(0, args.n_layers, ac_every)) if ac_every else 0
+
+
+def activation_bytes(args: ModelArgs, tokens: int, p: int, ac_every: int, loss_chunk: int = 0,
+                     sp: int = 1) -> dict:
+    """Activation memory of one micro-batch of `tokens` tokens (its whole sequences) in dtype of `p`
+    bytes, per rank of a sequence-parallel group of `sp`: what autograd keeps for backward ("saved")
+    and the largest transient on top of it ("peak_extra").
+
+    Under Ulysses sequence parallelism each rank holds tokens / sp of them, so every per-token part
+    divides by sp; attention's own saved tensors are for all tokens over n_heads / sp heads, which
+    is the same bytes (keys and values times the KV replication r where kv_heads < sp); the output
+    exchanged back is a copy of its own that `wo` keeps (p D per token), and the rows of the RoPE
+    table at the slice's positions another (4 head_dim, once)."""
+    t = tokens // sp  # this rank's tokens
+    r = kv_replication(args.kv_heads, sp)
+    kvd, qd = args.kv_heads * args.head_dim, args.n_heads * args.head_dim
+    per_layer = (8 + 6 * p) * args.dim + 2 * p * kvd * r + 4 * p * args.hidden_dim + 4 * args.n_heads
+    if sp > 1:
+        per_layer += p * qd
+    checkpointed = _checkpointed(args, ac_every)
     layers = (args.n_layers - checkpointed) * per_layer + checkpointed * p * args.dim
     chunk = loss_chunk or max(128, LOSS_CHUNK_BYTES // (4 * args.vocab_size))
-    one_chunk = tokens <= chunk
+    one_chunk = t <= chunk
     head = (4.5 + 2 * p) * args.dim + 28 + (4 * args.vocab_size if one_chunk else 0)
-    loss_peak = min(tokens, chunk) * args.vocab_size * (p + 8)  # logits, their fp32 copy, softmax/grad
+    if sp > 1:
+        head += 4 * args.head_dim
+    loss_peak = min(t, chunk) * args.vocab_size * (p + 8)  # logits, their fp32 copy, softmax/grad
     # Backward works on one block at a time: its gradients of activations, and under activation
-    # checkpointing its recomputed activations as well.
-    block_backward = per_layer * tokens * (2 if checkpointed else 1)
-    return {"saved": (layers + head) * tokens, "peak_extra": max(loss_peak, block_backward)}
+    # checkpointing its recomputed activations as well; under sequence parallelism the exchange's
+    # send and receive buffers of its largest tensor (queries, or the output) on top.
+    block_backward = per_layer * t * (2 if checkpointed else 1)
+    exchange = 2 * p * qd * t if sp > 1 else 0
+    return {"saved": (layers + head) * t, "peak_extra": max(loss_peak, block_backward + exchange)}
+
+
+def sequence_exchange_bytes(args: ModelArgs, tokens: int, p: int, sp: int) -> float:
+    """Bytes each rank sends in the all-to-alls of one layer's forward under Ulysses sequence
+    parallelism over `sp` ranks, for one micro-batch of `tokens` tokens (whole sequences): queries,
+    keys and values in (keys and values replicated r times where kv_heads < sp) and the output back,
+    4 exchanges of the rank's tokens / sp tokens, of which each keeps 1/sp and sends the rest.
+    Backward exchanges the gradients of the same tensors: the same bytes again; a checkpointed
+    block repeats its forward's in the recomputation."""
+    if sp <= 1:
+        return 0.0
+    r = kv_replication(args.kv_heads, sp)
+    heads = 2 * args.n_heads + 2 * args.kv_heads * r  # q, output; k, v
+    return (sp - 1) / sp * (tokens / sp) * heads * args.head_dim * p
 
 
 def largest_layer_params(args: ModelArgs) -> int:
@@ -125,12 +175,21 @@ class Assumptions:
     gbps: float = 400.0  # interconnect bandwidth per GPU, Gbit/s (e.g. one 400G NIC per GPU)
     precision: str = "bf16"
     gpu_memory_gib: float = 80.0  # memory per GPU; rows that need more are marked (H100/A100 80GB)
+    sp_gbps: float = 3600.0  # all-to-all Gbit/s per GPU within a sequence-parallel group (a node's NVLink 4: 450 GB/s)
+
+
+def _sp_sizes(args: ModelArgs, seq_len: int) -> list[int]:
+    """The sequence-parallel sizes this model and length allow: Ulysses splits heads and tokens."""
+    return [n for n in range(1, args.n_heads + 1) if args.n_heads % n == 0 and seq_len % n == 0]
 
 
 def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
-    """Every figure of the report, for `a.gpus` GPUs, and a scaling table over GPU counts."""
+    """Every figure of the report, for `a.gpus` GPUs, a scaling table over GPU counts and one over
+    sequence-parallel sizes."""
     if a.gpus < 1 or not 0 < a.mfu <= 1 or a.peak_tflops <= 0 or a.gbps <= 0:
         raise ConfigError("--gpus must be >= 1, --mfu in (0, 1], --peak-tflops and --gbps > 0")
+    if a.sp_gbps <= 0:
+        raise ConfigError(f"Assumptions.sp_gbps={a.sp_gbps:g} must be > 0 (Gbit/s per GPU)")
     if a.gpu_memory_gib <= 0:
         raise ConfigError(f"--gpu-memory={a.gpu_memory_gib:g} must be > 0 (GiB per GPU)")
     cfg.validate(a.gpus)
@@ -139,13 +198,17 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
     n_total, n_non_emb = num_params(args), num_params(args, non_embedding=True)
     fpt = flops_per_token(args, cfg.data.seq_len)
     stage, t, d = cfg.distributed.zero_stage, cfg.train, cfg.distributed
-    tokens_per_step = cfg.global_batch(a.gpus) * cfg.data.seq_len
+    sequences = cfg.global_batch(a.gpus // d.sequence_parallel)
+    tokens_per_step = sequences * cfg.data.seq_len
+    micro_tokens = t.micro_batch_size * cfg.data.seq_len  # whole sequences, split over a sequence-parallel group
 
-    def at(world: int) -> dict:
-        k = cfg.grad_accum(world)
+    def at(world: int, sp: int = d.sequence_parallel) -> dict:
+        dp = world // sp  # sequence-parallel groups: each reads its own micro-batches
+        if world % sp or sequences % (t.micro_batch_size * dp):
+            raise ConfigError(f"the global batch of {sequences} sequences does not split over {world} GPUs")
+        k = sequences // (t.micro_batch_size * dp)
         states = model_state_bytes(n_total, stage, world, a.precision, d.grad_dtype, largest_layer_params(args))
-        acts = activation_bytes(args, t.micro_batch_size * cfg.data.seq_len, p, t.activation_checkpointing,
-                                t.loss_chunk_tokens)
+        acts = activation_bytes(args, micro_tokens, p, t.activation_checkpointing, t.loss_chunk_tokens, sp)
         buffers = allreduce_copy_bytes(n_total, stage, a.precision, d.grad_dtype)
         if stage > 0:
             buffers += (d.reduce_bucket_size or args.dim**2) * 4 + (
@@ -154,12 +217,19 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         compute_s = fpt * tokens_per_step / (world * a.peak_tflops * 1e12 * a.mfu)
         comm = comm_bytes(n_total, stage, world, k, p, g)
         comm_s = comm / (a.gbps * 1e9 / 8)
-        step_s = max(compute_s, comm_s)
+        # Ulysses: forward and backward exchange every layer, a checkpointed block's recomputation
+        # again; the all-to-alls sit between the layer's compute, not beside it: added to the step.
+        exchange = sequence_exchange_bytes(args, micro_tokens, p, sp)
+        a2a = k * (2 * args.n_layers + _checkpointed(args, t.activation_checkpointing)) * exchange
+        a2a_s = a2a / (a.sp_gbps * 1e9 / 8)
+        step_s = max(compute_s, comm_s) + a2a_s
         total_gib = sum(memory.values()) / GIB
-        return {"gpus": world, "grad_accum": k, "memory_gib_per_gpu": total_gib,
-                "fits": total_gib <= a.gpu_memory_gib, "memory_parts_gib": {k_: v / GIB for k_, v in memory.items()}, "compute_s": compute_s,
-                "comm_gib_per_gpu": comm / GIB, "comm_s": comm_s,
-                "step_s": step_s, "tokens_per_s": tokens_per_step / step_s, "comm_bound": comm_s > compute_s}
+        return {"gpus": world, "sequence_parallel": sp, "grad_accum": k, "memory_gib_per_gpu": total_gib,
+                "fits": total_gib <= a.gpu_memory_gib, "memory_parts_gib": {k_: v / GIB for k_, v in memory.items()},
+                "compute_s": compute_s, "comm_gib_per_gpu": comm / GIB, "comm_s": comm_s,
+                "all_to_all_mib_per_layer": exchange / 2**20, "all_to_all_gib_per_gpu": a2a / GIB,
+                "all_to_all_s": a2a_s, "step_s": step_s, "tokens_per_s": tokens_per_step / step_s,
+                "comm_bound": comm_s > compute_s}
 
     here = at(a.gpus)
     scaling = []
@@ -170,14 +240,29 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         except ConfigError:  # the global batch does not split over this many GPUs
             pass
         world *= 2
+    # Each size on the run's GPUs, or on the fewest multiple of it above them; where the global
+    # batch does not split over those, on the most GPUs below over which it does.
+    by_sp = []
+    for n in _sp_sizes(args, cfg.data.seq_len):
+        for world in range(math.lcm(a.gpus, n), 0, -n):
+            try:
+                by_sp.append(at(world, n))
+                break
+            except ConfigError:
+                pass
+    needed = next((r["sequence_parallel"] for r in by_sp if r["fits"]), None)
     total_s = here["step_s"] * t.max_steps
     return {
         "params": n_total, "params_non_embedding": n_non_emb, "flops_per_token": fpt,
         "tokens_per_step": tokens_per_step, "steps": t.max_steps, "tokens_total": tokens_per_step * t.max_steps,
-        "flops_total": fpt * tokens_per_step * t.max_steps, "zero_stage": stage,
+        "flops_total": fpt * tokens_per_step * t.max_steps, "zero_stage": stage, "seq_len": cfg.data.seq_len,
         "assumptions": vars(a), **here, "total_s": total_s, "total_h": total_s / 3600,
         "host_checkpoint_copy_gib": (n_total * (4 + 8) / (a.gpus if stage >= 1 else 1)) / GIB,
         "scaling": scaling, "fit_hint": fit_hint(cfg),
+        "kv_replication": kv_replication(args.kv_heads, d.sequence_parallel),
+        "activation_checkpointing": t.activation_checkpointing > 0,
+        "sequence_parallel_table": by_sp, "sequence_parallel_needed": needed,
+        "sequence_parallel_max": args.n_heads,
     }
 
 
@@ -199,23 +284,48 @@ def _memory_cell(r: dict, a: dict) -> str:
     return f"{r['memory_gib_per_gpu']:.2f}, does not fit (> {a['gpu_memory_gib']:g} GiB)"
 
 
+def _sp_line(e: dict) -> str:
+    """Which sequence-parallel size makes this sequence length fit."""
+    gib, n, T = e["assumptions"]["gpu_memory_gib"], e["sequence_parallel_needed"], f"{e['seq_len']:,}"
+    if n is None:
+        return (f"sequence_parallel: none up to {e['sequence_parallel_max']} (model.n_heads) makes seq_len {T} fit "
+                f"in {gib:g} GiB per GPU: also use {e['fit_hint']}")
+    if n == 1:
+        return f"sequence_parallel: 1 is enough for seq_len {T} to fit in {gib:g} GiB per GPU"
+    return f"sequence_parallel: {n} needed for seq_len {T} to fit in {gib:g} GiB per GPU"
+
+
+def _a2a_line(e: dict) -> str:
+    a, sp, mib = e["assumptions"], e["sequence_parallel"], e["all_to_all_mib_per_layer"]
+    kv = f", keys and values replicated {e['kv_replication']}x" if e["kv_replication"] > 1 else ""
+    recompute = ", again in the recomputation" if e["activation_checkpointing"] else ""
+    return (f"Ulysses all-to-all over {sp} GPUs: q, k, v in and the output back{kv}: {mib:.3g} MiB per GPU per layer "
+            f"per micro-batch in forward, the same in backward{recompute}; "
+            f"{e['all_to_all_gib_per_gpu']:.3g} GiB per GPU per step, {e['all_to_all_s']:.3g} s at "
+            f"{a['sp_gbps']:g} Gbit/s (not overlapped: in the step time)")
+
+
 def report(e: dict) -> str:
     a = e["assumptions"]
+    sp = e["sequence_parallel"]
+    split = f", each sequence split over {sp} GPUs" if sp > 1 else ""
     lines = [
         f"model: {e['params'] / 1e6:,.1f}M parameters ({e['params_non_embedding'] / 1e6:,.1f}M non-embedding), "
         f"{e['flops_per_token'] / 1e9:.3f} GFLOPs per token (forward + backward, PaLM)",
         f"run: {a['gpus']} GPU(s), ZeRO-{e['zero_stage']}, {a['precision']}, {e['tokens_per_step']:,} tokens per step "
-        f"({e['grad_accum']} micro-batch(es) per GPU), {e['tokens_total'] / 1e9:,.2f}B tokens, "
+        f"({e['grad_accum']} micro-batch(es) per GPU{split}), {e['tokens_total'] / 1e9:,.2f}B tokens, "
         f"{e['flops_total']:.3g} FLOPs in all",
         f"memory per GPU: {e['memory_gib_per_gpu']:.2f} GiB = "
         + " + ".join(f"{k} {v:.2f}" for k, v in e["memory_parts_gib"].items())
         + f"; host memory for a checkpoint in flight: {e['host_checkpoint_copy_gib']:.2f} GiB per GPU",
         *([] if e["fits"] else [f"does not fit ({e['memory_gib_per_gpu']:.0f} GiB > {a['gpu_memory_gib']:g} GiB "
                                 f"per GPU): use {e['fit_hint']}"]),
+        _sp_line(e),
         f"time at {a['mfu']:.0%} MFU of {a['peak_tflops']:g} TFLOPS: {e['step_s']:.3g} s per step, "
         f"{e['total_h']:.3g} h for {e['steps']:,} steps",
         f"ZeRO communication at {a['gbps']:g} Gbit/s per GPU: {e['comm_gib_per_gpu']:.3g} GiB per GPU per step, "
         f"{e['comm_s']:.3g} s ({'longer than' if e['comm_bound'] else 'hidden behind'} the compute, if overlapped)",
+        *([_a2a_line(e)] if sp > 1 else []),
         "",
         "The same global batch on other GPU counts (efficiency = compute time / step time: below 1 the",
         "GPUs wait for ZeRO's collectives; more GPUs then buy less than their share):",
@@ -227,6 +337,19 @@ def report(e: dict) -> str:
         lines.append(f"| {r['gpus']} | {r['grad_accum']} | {_memory_cell(r, a)} | {r['compute_s']:.3g} | "
                      f"{r['comm_s']:.3g} | {r['step_s']:.3g} | {r['tokens_per_s']:,.0f} | "
                      f"{r['compute_s'] / r['step_s']:.0%} |")
+    lines += [
+        "",
+        f"Sequence parallelism (distributed.sequence_parallel) at seq_len {e['seq_len']:,}: each sequence split over",
+        "N GPUs, the same global batch, on the run's GPUs or the fewest multiple of N above them (fewer where the",
+        "batch does not split over those); all-to-all per GPU per layer per micro-batch, forward (backward the same):",
+        "",
+        "| sequence_parallel | GPUs | activations/GPU GiB | memory/GPU GiB | all-to-all MiB | all-to-all s | step s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in e["sequence_parallel_table"]:
+        lines.append(f"| {r['sequence_parallel']} | {r['gpus']} | {r['memory_parts_gib']['activations']:.2f} | "
+                     f"{_memory_cell(r, a)} | {r['all_to_all_mib_per_layer']:.3g} | {r['all_to_all_s']:.3g} | "
+                     f"{r['step_s']:.3g} |")
     return "\n".join(lines)
 
 

@@ -1,5 +1,5 @@
-"""`pretrain estimate`: its activation model against what autograd really saves, its memory against a
-measured peak RSS, and its ZeRO arithmetic."""
+"""`pretrain estimate`: its activation model against what autograd really saves (also per rank under
+sequence parallelism), its memory against a measured peak RSS, and its ZeRO and all-to-all arithmetic."""
 
 import json
 import subprocess
@@ -14,7 +14,7 @@ from helpers import REPO, TINY, free_port, train_env
 from pretrain.cli import main
 from pretrain.config import load_config
 from pretrain.estimate import (Assumptions, activation_bytes, comm_bytes, estimate, fit_hint, largest_layer_params,
-                               model_state_bytes, report)
+                               model_state_bytes, report, sequence_exchange_bytes)
 from pretrain.model.args import PRESETS, ModelArgs
 from pretrain.model.model import Transformer, num_params
 from pretrain.parallelize import apply_activation_checkpointing
@@ -54,6 +54,160 @@ def test_activation_model_matches_what_autograd_saves(dtype, shape, ac, chunk):
     measured = saved_by_autograd(model, tokens, labels, chunk)
     predicted = activation_bytes(args, 128, dtype.itemsize, ac, chunk)["saved"]
     assert predicted == pytest.approx(measured, rel=0.02), (predicted, measured)
+
+
+# `pretrain train` (alone or under torchrun) with the bytes autograd holds for backward followed as
+# they come and go: a tensor counts from the first time it is saved until the last saved reference
+# to its storage is released, parameters (and views of them) left out. Every rank writes its peak
+# and the bytes it sent through all-to-alls (what it does not keep of each input) to PEAK_DIR.
+PEAK_DRIVER = r"""
+import json, os, sys
+import torch
+import torch.distributed as dist
+from pretrain.cli import main
+
+live, state = {}, {"now": 0, "peak": 0, "sent": 0}
+
+
+class Held:
+    __slots__ = ("t", "ptr")
+
+    def __init__(self, t, ptr):
+        self.t, self.ptr = t, ptr
+
+    def __del__(self):
+        if self.ptr is not None:
+            entry = live[self.ptr]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del live[self.ptr]
+                state["now"] -= entry[0]
+
+
+def pack(t):
+    base = t if t._base is None else t._base
+    if base.is_leaf and base.requires_grad:
+        return Held(t, None)
+    ptr = t.untyped_storage().data_ptr()
+    if ptr not in live:
+        live[ptr] = [t.untyped_storage().nbytes(), 0]
+        state["now"] += live[ptr][0]
+        state["peak"] = max(state["peak"], state["now"])
+    live[ptr][1] += 1
+    return Held(t, ptr)
+
+
+all_to_all_single = dist.all_to_all_single
+
+
+def counted(output, input, *args, group=None, **kwargs):
+    n = dist.get_world_size(group)
+    state["sent"] += input.numel() * input.element_size() * (n - 1) // n
+    return all_to_all_single(output, input, *args, group=group, **kwargs)
+
+
+dist.all_to_all_single = counted
+with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.t):
+    rc = main(sys.argv[1:])
+rank = int(os.environ.get("RANK", 0))
+with open(os.path.join(os.environ["PEAK_DIR"], f"rank{rank}.json"), "w") as f:
+    json.dump({"rank": rank, **state}, f)
+sys.exit(rc)
+"""
+
+
+def peak_saved(nproc: int, overrides: list[str]) -> list[dict]:
+    """Train `nproc` ranks (1: a plain process) for the config TINY + overrides and return each rank's
+    {"rank", "peak" (bytes held for backward at once), "now" (held at the end: 0), "sent" (all-to-all
+    bytes sent)}, in rank order."""
+    with tempfile.TemporaryDirectory() as tmp:
+        driver = Path(tmp) / "driver.py"
+        driver.write_text(PEAK_DRIVER)
+        launch = [sys.executable] if nproc == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_port", str(free_port())]
+        proc = subprocess.run([*launch, str(driver), "train", str(TINY), "logging.progress=false",
+                               "logging.wandb=disabled", f"train.run_dir={tmp}/run", *overrides],
+                              cwd=REPO, env=train_env({"PEAK_DIR": tmp}), capture_output=True, text=True, timeout=300)
+        got = [json.loads(f.read_text()) for f in sorted(Path(tmp).glob("rank*.json"))]
+    assert proc.returncode == 0 and [r["rank"] for r in got] == list(range(nproc)), \
+        proc.stdout[-2000:] + proc.stderr[-4000:]
+    return got
+
+
+@pytest.mark.parametrize("ac,kv", [
+    (0, 2),
+    pytest.param(1, 2, marks=pytest.mark.slow),  # activation checkpointing: blocks keep their inputs
+    pytest.param(0, 1, marks=pytest.mark.slow),  # one KV head over 2 ranks: replicated twice
+], ids=["ac0", "ac1", "kv1"])
+def test_sequence_parallel_activations_per_rank(ac, kv):
+    """One sequence of 1024 tokens, the tiny preset, fp32, one step: the peak of what autograd holds
+    for backward on each of 2 sequence-parallel ranks against one rank with the whole sequence, both
+    against the estimate; and the all-to-all bytes each rank sent against the estimate's traffic."""
+    from pretrain.build import tokenizer_and_model_args
+
+    overrides = ["data.seq_len=1024", "model.max_seq_len=1024", "train.micro_batch_size=1",
+                 "train.global_batch_size=1", "train.max_steps=1", "train.precision=fp32", "train.eval_every=0",
+                 "data.validation=[]", f"train.activation_checkpointing={ac}", f"model.n_kv_heads={kv}"]
+    whole = peak_saved(1, overrides)[0]
+    split = peak_saved(2, overrides + ["distributed.sequence_parallel=2"])
+    args = tokenizer_and_model_args(load_config(TINY, overrides))[1]
+    for sp, ranks in ((1, [whole]), (2, split)):
+        predicted = activation_bytes(args, 1024, 4, ac, 0, sp)["saved"]
+        for r in ranks:
+            assert r["now"] == 0  # everything held was released: the peak is of one step's tensors
+            assert r["peak"] == pytest.approx(predicted, rel=0.1), (sp, r, predicted)
+    for r in split:
+        assert 0.45 <= r["peak"] / whole["peak"] <= 0.6, (r, whole)
+        # forward and backward exchange in every layer, a checkpointed block's recomputation again
+        exchanges = 2 * args.n_layers + (args.n_layers if ac else 0)
+        assert r["sent"] == exchanges * sequence_exchange_bytes(args, 1024, 4, 2), r
+    assert whole["sent"] == 0
+
+
+def test_sequence_parallel_estimate():
+    """Per-token parts divide by N; attention's tensors (all tokens, heads / N) too, keys and values
+    times their replication; the exchange adds wo's copy of the output and the positions' RoPE rows;
+    the traffic is 4 exchanges of (N - 1) / N of the rank's q, k, v and output per layer."""
+    args = ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn_hidden_dim=768, vocab_size=512)
+    T, p, D, kvd = 4096, 2, 256, 64
+    one = activation_bytes(args, T, p, 0)["saved"]
+    exchange = p * D + 4 * args.head_dim / args.n_layers  # per layer per token of the slice
+    for n, r in ((2, 1), (4, 2), (8, 4)):  # 2 KV heads: replicated once at N = 2, 2x at 4, 4x at 8
+        replication = 2 * p * kvd * (r - 1)
+        assert activation_bytes(args, T, p, 0, sp=n)["saved"] == pytest.approx(
+            one / n + args.n_layers * (exchange + replication) * T / n)
+        heads = 2 * args.n_heads + 2 * args.kv_heads * r
+        assert sequence_exchange_bytes(args, T, p, n) == (n - 1) / n * T / n * heads * args.head_dim * p
+    assert sequence_exchange_bytes(args, T, p, 1) == 0
+    # Checkpointed blocks keep their input: per token of the slice, so the whole divides by N.
+    ac = [activation_bytes(args, T, p, 1, sp=n)["saved"] for n in (1, 2)]
+    assert ac[1] == pytest.approx(ac[0] / 2 + 4 * args.head_dim * T / 2)
+
+
+def test_estimate_says_which_sequence_parallel_fits(capsys):
+    """7b at 131k tokens per sequence: no fit on one GPU per sequence, 2 GPUs per sequence fit; the
+    run at N = 8 reports its all-to-all and activations divided by 8."""
+    long = ["model.vocab_size=32000", "data.seq_len=131072", "model.max_seq_len=131072",
+            "train.global_batch_tokens=4194304"]
+    assert main(["estimate", str(REPO / "configs" / "7b.yaml"), "--gpus", "64", *long,
+                 "distributed.sequence_parallel=8"]) == 0
+    out = capsys.readouterr().out
+    assert "sequence_parallel: 2 needed for seq_len 131,072 to fit in 80 GiB per GPU" in out
+    assert "Ulysses all-to-all over 8 GPUs" in out and "each sequence split over 8 GPUs" in out
+    cfg = load_config(REPO / "configs" / "7b.yaml", long + ["distributed.sequence_parallel=8"])
+    e = estimate(cfg, cfg.model, Assumptions(gpus=64))
+    rows = {r["sequence_parallel"]: r for r in e["sequence_parallel_table"]}
+    assert not rows[1]["fits"] and rows[2]["fits"] and e["sequence_parallel_needed"] == 2
+    acts = {n: r["memory_parts_gib"]["activations"] for n, r in rows.items()}
+    assert acts[2] / acts[8] == pytest.approx(4, rel=0.01)
+    # 4 micro-batches per GPU, 32 layers, recomputed once under activation checkpointing (7b.yaml).
+    per_layer = sequence_exchange_bytes(cfg.model, 131072, 2, 8)
+    assert e["all_to_all_gib_per_gpu"] == pytest.approx(4 * 3 * 32 * per_layer / 2**30)
+    assert e["step_s"] == pytest.approx(max(e["compute_s"], e["comm_s"]) + e["all_to_all_s"])
+    short = load_config(REPO / "configs" / "7b.yaml", ["model.vocab_size=32000"])
+    out = report(estimate(short, short.model, Assumptions(gpus=64)))
+    assert "sequence_parallel: 1 is enough for seq_len 4,096" in out
 
 
 def test_model_states_and_communication_follow_zero():
