@@ -74,7 +74,7 @@ def _checkpointed(args: ModelArgs, ac_every: int) -> int:
 
 
 def activation_bytes(args: ModelArgs, tokens: int, p: int, ac_every: int, loss_chunk: int = 0,
-                     sp: int = 1) -> dict:
+                     sp: int = 1, mlp_chunk: int = 0) -> dict:
     """Activation memory of one micro-batch of `tokens` tokens (its whole sequences) in dtype of `p`
     bytes, per rank of a sequence-parallel group of `sp`: what autograd keeps for backward ("saved")
     and the largest transient on top of it ("peak_extra").
@@ -83,11 +83,17 @@ def activation_bytes(args: ModelArgs, tokens: int, p: int, ac_every: int, loss_c
     divides by sp; attention's own saved tensors are for all tokens over n_heads / sp heads, which
     is the same bytes (keys and values times the KV replication r where kv_heads < sp); the output
     exchanged back is a copy of its own that `wo` keeps (p D per token), and the rows of the RoPE
-    table at the slice's positions another (4 head_dim, once)."""
+    table at the slice's positions another (4 head_dim, once).
+
+    MLP tiles (`mlp_chunk`, train.mlp_chunk_tokens, fewer than the rank's tokens) keep none of the
+    MLP's four (tokens, hidden_dim) intermediates for backward; one tile's exist while it is
+    recomputed."""
     t = tokens // sp  # this rank's tokens
     r = kv_replication(args.kv_heads, sp)
     kvd, qd = args.kv_heads * args.head_dim, args.n_heads * args.head_dim
-    per_layer = (8 + 6 * p) * args.dim + 2 * p * kvd * r + 4 * p * args.hidden_dim + 4 * args.n_heads
+    mlp = 4 * p * args.hidden_dim  # per token: w1's and w3's outputs, silu's, their product
+    tiled = 0 < mlp_chunk < t
+    per_layer = (8 + 6 * p) * args.dim + 2 * p * kvd * r + (0 if tiled else mlp) + 4 * args.n_heads
     if sp > 1:
         per_layer += p * qd
     checkpointed = _checkpointed(args, ac_every)
@@ -101,7 +107,7 @@ def activation_bytes(args: ModelArgs, tokens: int, p: int, ac_every: int, loss_c
     # Backward works on one block at a time: its gradients of activations, and under activation
     # checkpointing its recomputed activations as well; under sequence parallelism the exchange's
     # send and receive buffers of its largest tensor (queries, or the output) on top.
-    block_backward = per_layer * t * (2 if checkpointed else 1)
+    block_backward = per_layer * t * (2 if checkpointed else 1) + (mlp * mlp_chunk if tiled else 0)
     exchange = 2 * p * qd * t if sp > 1 else 0
     return {"saved": (layers + head) * t, "peak_extra": max(loss_peak, block_backward + exchange)}
 
@@ -208,7 +214,8 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
             raise ConfigError(f"the global batch of {sequences} sequences does not split over {world} GPUs")
         k = sequences // (t.micro_batch_size * dp)
         states = model_state_bytes(n_total, stage, world, a.precision, d.grad_dtype, largest_layer_params(args))
-        acts = activation_bytes(args, micro_tokens, p, t.activation_checkpointing, t.loss_chunk_tokens, sp)
+        acts = activation_bytes(args, micro_tokens, p, t.activation_checkpointing, t.loss_chunk_tokens, sp,
+                                t.mlp_chunk_tokens)
         buffers = allreduce_copy_bytes(n_total, stage, a.precision, d.grad_dtype)
         if stage > 0:
             buffers += (d.reduce_bucket_size or args.dim**2) * 4 + (

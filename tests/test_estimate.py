@@ -20,10 +20,12 @@ from pretrain.model.model import Transformer, num_params
 from pretrain.parallelize import apply_activation_checkpointing
 
 
-def saved_by_autograd(model, tokens, labels, chunk) -> int:
+def saved_by_autograd(model, tokens, labels, chunk, mlp_chunk=0) -> int:
     """Bytes of every tensor autograd keeps for backward, parameters left out, shared storage once."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
+    for block in model.layers:
+        block.feed_forward.chunk = mlp_chunk
 
     def pack(t):
         storage = t.untyped_storage()
@@ -37,13 +39,15 @@ def saved_by_autograd(model, tokens, labels, chunk) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape,ac,chunk", [
-    (dict(dim=128, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden_dim=384, vocab_size=512), 0, 0),
-    (dict(dim=192, n_layers=4, n_heads=6, n_kv_heads=6, ffn_hidden_dim=320, vocab_size=1024), 0, 32),
-    (dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=1, ffn_hidden_dim=768, vocab_size=512), 1, 0),
-    (dict(dim=128, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden_dim=256, vocab_size=512), 2, 48),
+@pytest.mark.parametrize("shape,ac,chunk,mlp_chunk", [
+    (dict(dim=128, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden_dim=384, vocab_size=512), 0, 0, 0),
+    (dict(dim=192, n_layers=4, n_heads=6, n_kv_heads=6, ffn_hidden_dim=320, vocab_size=1024), 0, 32, 0),
+    (dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=1, ffn_hidden_dim=768, vocab_size=512), 1, 0, 0),
+    (dict(dim=128, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden_dim=256, vocab_size=512), 2, 48, 0),
+    (dict(dim=128, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden_dim=384, vocab_size=512), 0, 0, 32),
+    (dict(dim=128, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden_dim=256, vocab_size=512), 2, 48, 40),
 ])
-def test_activation_model_matches_what_autograd_saves(dtype, shape, ac, chunk):
+def test_activation_model_matches_what_autograd_saves(dtype, shape, ac, chunk, mlp_chunk):
     args = ModelArgs(max_seq_len=64, **shape)
     torch.manual_seed(0)
     model = Transformer(args)
@@ -51,8 +55,8 @@ def test_activation_model_matches_what_autograd_saves(dtype, shape, ac, chunk):
     model = model.to(dtype)
     apply_activation_checkpointing(model, ac)
     tokens, labels = torch.randint(0, args.vocab_size, (2, 64)), torch.randint(0, args.vocab_size, (2, 64))
-    measured = saved_by_autograd(model, tokens, labels, chunk)
-    predicted = activation_bytes(args, 128, dtype.itemsize, ac, chunk)["saved"]
+    measured = saved_by_autograd(model, tokens, labels, chunk, mlp_chunk)
+    predicted = activation_bytes(args, 128, dtype.itemsize, ac, chunk, mlp_chunk=mlp_chunk)["saved"]
     assert predicted == pytest.approx(measured, rel=0.02), (predicted, measured)
 
 
