@@ -28,6 +28,8 @@ one tensor, so the rules must live in the groups, not on tensors.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pretrain.config import OptimizerConfig
@@ -92,8 +94,60 @@ def set_lr(optimizer, lr: float) -> None:
         group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
+MUON_ROLES = ("hidden", "ffn_out")  # the 2-D hidden matrices: wq wk wv wo w1 w3, and w2
+
+
+def muon_lr_scale(shape) -> float:
+    """Muon's rate for a (fan_out, fan_in) matrix relative to optimizer.lr, under the match_adamw rule.
+
+    Moonshot's rule (torch.optim.Muon's adjust_lr_fn="match_rms_adamw") steps the orthogonalised
+    update O by lr x 0.2 sqrt(max(fan_out, fan_in)), which gives it the RMS of a typical AdamW update
+    (about 0.2), so AdamW's rate and decay carry over. DeepSpeed's muon_update already scales O by
+    sqrt(max(1, fan_out / fan_in)) (Keller Jordan's original rule), so the group's rate carries the
+    ratio of the two, 0.2 sqrt(max(fan_out, fan_in)) / sqrt(max(1, fan_out / fan_in)), which is
+    0.2 sqrt(fan_in) for either aspect (written so, matrices of one fan-in share a group exactly)."""
+    return 0.2 * math.sqrt(shape[1])
+
+
+def muon_param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> list[dict]:
+    """AdamW's groups (param_groups) with the hidden roles' matrices moved to Muon groups, one per
+    rate (fan-in); every group is tagged `use_muon`, and so is every parameter, which is how ZeRO
+    finds the matrices it must orthogonalise (by role, not by DeepSpeed's own name rule, which
+    would hand our untied `output` head to Muon). The decay is divided by the rate's scale so that
+    each step decays by optimizer.lr x weight_decay, as torch.optim.Muon and Moonshot do."""
+    names = {p: n for n, p in model.named_parameters()}
+    groups = []
+    muon: dict[float, dict] = {}
+    for g in param_groups(model, cfg):
+        rest = []
+        for p in g["params"]:
+            shape = getattr(p, "ds_shape", p.shape)
+            p.use_muon = len(shape) == 2 and role(names[p], len(shape)) in MUON_ROLES
+            if not p.use_muon:
+                rest.append(p)
+                continue
+            scale = g["lr_scale"] * muon_lr_scale(shape)
+            if scale not in muon:
+                muon[scale] = {"params": [], "use_muon": True, "lr_scale": scale, "lr": cfg.lr * scale,
+                               "weight_decay": g["weight_decay"] * g["lr_scale"] / scale,
+                               "momentum": cfg.muon_momentum, "ns_method": cfg.muon_ns_method}
+            muon[scale]["params"].append(p)
+        if rest:
+            groups.append({**g, "params": rest, "use_muon": False, "lr": cfg.lr * g["lr_scale"],
+                           "betas": (cfg.beta1, cfg.beta2)})
+    return groups + list(muon.values())
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
     # torch's AdamW rather than DeepSpeed's FusedAdam/CPUAdam: no op build at start-up, and it resumes
     # bitwise (FusedAdam drifted ~5e-7 after a load when we measured it); fused on CUDA for speed.
+    if cfg.name == "muon":
+        # DeepSpeed's class, not torch.optim.Muon: ZeRO recognises it (isinstance) and runs the
+        # Newton-Schulz step on full gradients it gathers itself; torch's AdamW does the rest.
+        from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+        return MuonWithAuxAdam(muon_param_groups(model, cfg), adam_optimizer=torch.optim.AdamW,
+                               adam_optimizer_kwargs={"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps,
+                                                      "fused": device.type == "cuda"})
     return torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=cfg.eps, fused=device.type == "cuda")

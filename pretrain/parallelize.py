@@ -78,6 +78,10 @@ def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict:
                     stage3_gather_16bit_weights_on_model_save=False)
     if d.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if cfg.optimizer.name == "muon":
+        # Muon orthogonalises whole matrices, so ZeRO all-reduces gradients and gathers each one
+        # instead of reduce-scattering them; DeepSpeed refuses reduce_scatter with it (stage3.py:360).
+        zero["reduce_scatter"] = False
     return {
         "train_batch_size": cfg.global_batch(dp_size) * d.sequence_parallel,  # (micro x accumulation x ranks)
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
@@ -139,7 +143,7 @@ def build_model(args: ModelArgs, cfg: Config, ds_config: dict, seed: int) -> Tra
 
 
 def build_engine(model: Transformer, cfg: Config, ds_config: dict, device: torch.device):
-    """deepspeed.initialize with our AdamW. No LR scheduler: the trainer sets each step's rate
+    """deepspeed.initialize with our optimizer (pretrain/optim.py). No LR scheduler: the trainer sets each step's rate
     (pretrain/schedule.py)."""
     import deepspeed
 
