@@ -45,6 +45,49 @@ def trainer_clips(cfg: Config, precision: str) -> bool:
     return cfg.distributed.zero_stage == 0 and precision == "fp32"
 
 
+def muon_clips_itself(cfg: Config, precision: str) -> bool:
+    """Muon at ZeRO-3: DeepSpeed takes the gradient norm after Newton-Schulz, over the Muon updates
+    (stage3.py:2885), and would clip those (tiny model: norm 31 where the gradient's is 0.77, every
+    Muon step divided by 31). The engine's optimizer is wrapped instead (clip_gradients_before_muon)
+    and DeepSpeed told not to clip. (WIP: ZeRO-1/2 orthogonalise during the reduction and still clip
+    the updates.)"""
+    return cfg.optimizer.name == "muon" and engine_zero_stage(cfg, precision) == 3 \
+        and not cfg.distributed.offload_optimizer
+
+
+def clip_gradients_before_muon(zero, clip: float) -> None:
+    """Clip the gradients, not the Muon updates, at ZeRO-3, as torch.optim.Muon with clip_grad_norm_
+    and Moonshot do, and report their norm (what the trainer's guard, the spike detector and the
+    logs read). Newton-Schulz is scale-invariant, so the clip only changes how much of this step's
+    gradient enters the momentum. `zero`: DeepSpeed's stage-3 optimizer; its step calls
+    _apply_muon_to_accumulated_grads and then _get_norm_groups (stage3.py:2885-2886), once each."""
+    from deepspeed.runtime.utils import combine_grad_norm_groups
+
+    apply, norm_groups, raw = zero._apply_muon_to_accumulated_grads, zero._get_norm_groups, []
+
+    def clip_then_apply():
+        groups = [zero.get_grad_norm_direct(zero.averaged_gradients[i], zero.fp16_groups[i])
+                  for i in range(len(zero.fp16_groups))]
+        if clip > 0:  # (as DeepSpeed's unscale_and_clip_grads; no host sync)
+            norm = combine_grad_norm_groups(groups) / zero.loss_scale
+            factor = torch.clamp((norm + 1e-6) / clip, min=1.0)
+            for parts in zero.averaged_gradients.values():
+                for part in parts:
+                    part.div_(factor)
+        raw[:] = groups
+        apply()
+
+    def gradient_norm_groups():
+        if not raw:
+            return norm_groups()
+        out = list(raw)
+        raw.clear()
+        return out
+
+    zero._apply_muon_to_accumulated_grads = clip_then_apply
+    zero._get_norm_groups = gradient_norm_groups
+
+
 def engine_zero_stage(cfg: Config, precision: str) -> int:
     """The ZeRO stage the engine runs: the configured one, except that bf16 at stage 0 runs as stage
     1. DeepSpeed's stage-0 bf16 path (FP16_UnfusedOptimizer) accumulates gradients in bf16 and checks
@@ -82,11 +125,12 @@ def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict:
         # Muon orthogonalises whole matrices, so ZeRO all-reduces gradients and gathers each one
         # instead of reduce-scattering them; DeepSpeed refuses reduce_scatter with it (stage3.py:360).
         zero["reduce_scatter"] = False
+    clip = 0.0 if trainer_clips(cfg, precision) or muon_clips_itself(cfg, precision) else cfg.optimizer.grad_clip
     return {
         "train_batch_size": cfg.global_batch(dp_size) * d.sequence_parallel,  # (micro x accumulation x ranks)
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum(dp_size),
-        "gradient_clipping": 0.0 if trainer_clips(cfg, precision) else cfg.optimizer.grad_clip,
+        "gradient_clipping": clip,
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
         **({"data_types": {"grad_accum_dtype": d.grad_dtype}, "communication_data_type": d.grad_dtype}
@@ -149,6 +193,9 @@ def build_engine(model: Transformer, cfg: Config, ds_config: dict, device: torch
 
     optimizer = build_optimizer(model, cfg.optimizer, device)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    if cfg.optimizer.name == "muon" and ds_config["zero_optimization"]["stage"] == 3 \
+            and "offload_optimizer" not in ds_config["zero_optimization"]:
+        clip_gradients_before_muon(engine.optimizer, cfg.optimizer.grad_clip)
     check_rope_table(engine.module)
     return engine
 

@@ -2,8 +2,8 @@
 DeepSpeed engine step against torch.optim.Muon + torch.optim.AdamW from the same weights, at ZeRO-0,
 ZeRO-3 and ZeRO-3 under zero.Init on 2 ranks; the singular values show Muon is active.
 
-Not yet covered (docs/optimizers.md): bf16, clipping (DeepSpeed clips with the norm of the Muon
-updates, not of the gradients: the step tests run without clipping), dropped steps, checkpoints."""
+Not yet covered (docs/optimizers.md): bf16, clipping at ZeRO-1/2 (DeepSpeed clips with the norm
+of the Muon updates there), dropped steps, checkpoints."""
 
 import json
 import math
@@ -26,12 +26,12 @@ from pretrain.model.model import Transformer
 from pretrain.optim import MUON_ROLES, role, set_lr
 from pretrain.parallelize import build_engine, build_model, deepspeed_config
 
-stage, name = int(sys.argv[1]), sys.argv[2]
+stage, name, steps, clip = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
     "model.max_seq_len=128", "data.seq_len=128", "train.micro_batch_size=2", "train.precision=fp32",
     f"distributed.zero_stage={stage}", "distributed.param_persistence_threshold=0", f"optimizer.name={name}",
-    "optimizer.muon_ns_method=gram", "optimizer.grad_clip=0", "optimizer.lr=0.02", "optimizer.weight_decay=0.1"])
+    "optimizer.muon_ns_method=gram", f"optimizer.grad_clip={clip}", "optimizer.lr=0.02", "optimizer.weight_decay=0.1"])
 ws, rank, o = env.world_size, env.rank, cfg.optimizer
 ds = deepspeed_config(cfg, ws, "fp32")
 engine = build_engine(build_model(cfg.model, cfg, ds, seed=0), cfg, ds, env.device)
@@ -42,13 +42,16 @@ def weights():
 
 w0 = weights()
 g = torch.Generator().manual_seed(0)
-batches = [torch.randint(0, 256, (2 * ws, 129), generator=g) for _ in range(int(sys.argv[3]))]
+batches = [torch.randint(0, 256, (2 * ws, 129), generator=g) for _ in range(steps)]
+norms = []
 for b in batches:
     before = weights()  # (the last step's update is checked for orthogonality)
     mine = b[rank * 2:(rank + 1) * 2]
     set_lr(engine.optimizer, o.lr)
     engine.backward(engine(mine[:, :-1], labels=mine[:, 1:]))
     engine.step()
+    norm = engine.get_global_grad_norm()  # (None at ZeRO-0 in fp32: the trainer takes it there)
+    norms.append(None if norm is None else float(norm))
 w1 = weights()
 
 # The reference: the same weights in a plain model, the whole global batch, torch's optimizers.
@@ -79,10 +82,15 @@ optimizers = [torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_deca
 optimizers.append(torch.optim.Muon(matrices, lr=o.lr, weight_decay=o.weight_decay, momentum=o.muon_momentum,
                                    nesterov=True, ns_steps=5, adjust_lr_fn="match_rms_adamw") if name == "muon"
                   else torch.optim.AdamW(matrices, weight_decay=o.weight_decay, **adamw))
+ref_norms = []
 for b in batches:
     for opt in optimizers:
         opt.zero_grad()
     (sum(ref(b[r * 2:(r + 1) * 2, :-1], labels=b[r * 2:(r + 1) * 2, 1:]) for r in range(ws)) / ws).backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    ref_norms.append(norm.item())
+    if clip:  # the gradients, before any optimizer (torch's and Moonshot's order)
+        torch.nn.utils.clip_grads_with_norm_(ref.parameters(), clip, norm)
     for opt in optimizers:
         opt.step()
 out = {}
@@ -92,12 +100,13 @@ for n, p in ref.named_parameters():
     if n in hidden:  # the last step's update itself (decay taken out): singular values
         s = torch.linalg.svdvals((w1[n] - before[n] * (1 - o.lr * o.weight_decay)) / -o.lr)
         out[n]["sv_ratio"] = (s.max() / s.min()).item()
+out["norms"] = {"engine": norms, "reference": ref_norms}
 if rank == 0:
     print("RESULT " + json.dumps(out))
 """
 
 
-def _step(stage: int, name: str, nproc: int = 1, steps: int = 2) -> dict:
+def _step(stage: int, name: str, nproc: int = 1, steps: int = 2, clip: float = 0.0) -> dict:
     script = f"from pathlib import Path\nREPO = Path({str(REPO)!r})\n" + SCRIPT
     if nproc == 1:
         env = train_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
@@ -110,7 +119,7 @@ def _step(stage: int, name: str, nproc: int = 1, steps: int = 2) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                str(free_port()), str(path)]
     try:
-        proc = subprocess.run(cmd + [str(stage), name, str(steps)], cwd=REPO, env=env, capture_output=True,
+        proc = subprocess.run(cmd + [str(stage), name, str(steps), str(clip)], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=300)
     finally:
         if nproc > 1:
@@ -128,16 +137,24 @@ FULL_RANK = ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "attention
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,nproc", [(0, 1), (3, 1), (3, 2)])
-def test_muon_steps_as_torch_muon_does(stage, nproc):
+@pytest.mark.parametrize("stage,nproc,clip", [(0, 1, 0.0), (3, 1, 0.0), (3, 2, 0.0), (3, 2, 0.3)])
+def test_muon_steps_as_torch_muon_does(stage, nproc, clip):
     """Two steps (so the momentum counts) from the same weights. Measured: Muon's matrices within
     1.3e-3 relative (Frobenius) of torch.optim.Muon with adjust_lr_fn=match_rms_adamw, the AdamW
     part within 4e-5 (1 rank and 2 ranks alike). The fp32 iterations agree to ~2e-6 on one matrix; the second step starts from
     weights and momenta that already differ by that, and wq's and wk's ill-conditioned gradients
     (singular values spanning 100x) magnify it in the Newton-Schulz polynomial, so 5e-3. A wrong
     rate rule (e.g. DeepSpeed's own sqrt(max(1, fan_out/fan_in)) alone: x0.6) or an AdamW
-    step instead (#8438) is off by O(1)."""
-    got = _step(stage, "muon", nproc)
+    step instead (#8438) is off by O(1).
+
+    With clipping below the gradient norm (0.3 against 0.54-0.80) the gradients are clipped before
+    Muon, as clip_grad_norm_ then torch.optim.Muon: measured within 2.3e-3, and the engine reports
+    the gradient norm (DeepSpeed alone reports the Muon updates' norm, ~31 here, and divides every
+    Muon step by it: parallelize.clip_gradients_before_muon)."""
+    got = _step(stage, "muon", nproc, clip=clip)
+    norms = got.pop("norms")
+    if stage:
+        assert norms["engine"] == pytest.approx(norms["reference"], rel=1e-4)
     for name, r in got.items():
         muon = "sv_ratio" in r
         assert r["rel_err"] < (5e-3 if muon else 1e-4), (name, r)
@@ -154,6 +171,7 @@ def test_the_band_tells_adamw_from_muon():
     weight falling back to AdamW, the #8438 failure) the hidden matrices' updates are far from
     orthogonal, and the AdamW path is torch's AdamW exactly as before."""
     got = _step(0, "adamw", steps=1)
+    got.pop("norms")
     for name, r in got.items():
         assert r["rel_err"] < 1e-6, (name, r)
         if "sv_ratio" in r and any(k in name for k in FULL_RANK):
