@@ -48,24 +48,48 @@ def trainer_clips(cfg: Config, precision: str) -> bool:
 def muon_clips_itself(cfg: Config, precision: str) -> bool:
     """Muon at ZeRO-3: DeepSpeed takes the gradient norm after Newton-Schulz, over the Muon updates
     (stage3.py:2885), and would clip those (tiny model: norm 31 where the gradient's is 0.77, every
-    Muon step divided by 31). The engine's optimizer is wrapped instead (clip_gradients_before_muon)
+    Muon step divided by 31). The engine's optimizer is wrapped instead (muon_at_zero3)
     and DeepSpeed told not to clip. (WIP: ZeRO-1/2 orthogonalise during the reduction and still clip
     the updates.)"""
     return cfg.optimizer.name == "muon" and engine_zero_stage(cfg, precision) == 3 \
         and not cfg.distributed.offload_optimizer
 
 
-def clip_gradients_before_muon(zero, clip: float) -> None:
-    """Clip the gradients, not the Muon updates, at ZeRO-3, as torch.optim.Muon with clip_grad_norm_
-    and Moonshot do, and report their norm (what the trainer's guard, the spike detector and the
-    logs read). Newton-Schulz is scale-invariant, so the clip only changes how much of this step's
-    gradient enters the momentum. `zero`: DeepSpeed's stage-3 optimizer; its step calls
-    _apply_muon_to_accumulated_grads and then _get_norm_groups (stage3.py:2885-2886), once each."""
+def muon_at_zero3(zero, clip: float) -> None:
+    """Two corrections to DeepSpeed's Muon at ZeRO-3 (`zero`: its stage-3 optimizer, whose step calls
+    _apply_muon_to_accumulated_grads, then _get_norm_groups, then the inner optimizer's step per
+    sub-group, then _post_step; stage3.py:2873-2940):
+
+    - Clip the gradients, not the Muon updates, as torch.optim.Muon after clip_grad_norm_ and
+      Moonshot do, and report their norm (what the trainer's guard, the spike detector and the logs
+      read). Newton-Schulz is scale-invariant, so the clip only changes how much of this step's
+      gradient enters the momentum.
+    - A dropped update leaves the momentum as it was. DeepSpeed folds the gradient into Muon's
+      momentum before the inner step, which is all the trainer's guard can drop; the momentum
+      partitions are copied before and put back when no inner step ran (4 bytes per Muon
+      parameter / world size, for the step)."""
     from deepspeed.runtime.utils import combine_grad_norm_groups
 
-    apply, norm_groups, raw = zero._apply_muon_to_accumulated_grads, zero._get_norm_groups, []
+    apply, norm_groups, post_step, inner = (zero._apply_muon_to_accumulated_grads, zero._get_norm_groups,
+                                            zero._post_step, zero.optimizer)
+    inner_step = inner.step
+    raw, saved, ran = [], {}, [False]
+
+    def momenta() -> dict:
+        return {i: zero.optimizer.state.get(zero.fp32_partitioned_groups_flat[i], {}).get("momentum_buffer")
+                for i, muon in enumerate(zero.sub_groups_using_muon) if muon}
+
+    def restore():
+        """Put the momenta back if the last step's update was dropped (also where DeepSpeed itself
+        returned before _post_step, on an invalid norm)."""
+        if saved and not ran[0]:
+            for i, m in momenta().items():
+                if m is not None:
+                    m.copy_(saved[i]) if saved[i] is not None else m.zero_()
+        saved.clear()
 
     def clip_then_apply():
+        restore()
         groups = [zero.get_grad_norm_direct(zero.averaged_gradients[i], zero.fp16_groups[i])
                   for i in range(len(zero.fp16_groups))]
         if clip > 0:  # (as DeepSpeed's unscale_and_clip_grads; no host sync)
@@ -75,6 +99,9 @@ def clip_gradients_before_muon(zero, clip: float) -> None:
                 for part in parts:
                     part.div_(factor)
         raw[:] = groups
+        saved.clear()
+        saved.update({i: None if m is None else m.clone() for i, m in momenta().items()})
+        ran[0] = False
         apply()
 
     def gradient_norm_groups():
@@ -84,8 +111,18 @@ def clip_gradients_before_muon(zero, clip: float) -> None:
         raw.clear()
         return out
 
+    def step(*args, **kwargs):
+        ran[0] = True
+        return inner_step(*args, **kwargs)
+
+    def restore_then_post_step(*args, **kwargs):
+        restore()
+        return post_step(*args, **kwargs)
+
     zero._apply_muon_to_accumulated_grads = clip_then_apply
     zero._get_norm_groups = gradient_norm_groups
+    zero._post_step = restore_then_post_step
+    inner.step = step
 
 
 def engine_zero_stage(cfg: Config, precision: str) -> int:
@@ -195,7 +232,7 @@ def build_engine(model: Transformer, cfg: Config, ds_config: dict, device: torch
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if cfg.optimizer.name == "muon" and ds_config["zero_optimization"]["stage"] == 3 \
             and "offload_optimizer" not in ds_config["zero_optimization"]:
-        clip_gradients_before_muon(engine.optimizer, cfg.optimizer.grad_clip)
+        muon_at_zero3(engine.optimizer, cfg.optimizer.grad_clip)
     check_rope_table(engine.module)
     return engine
 

@@ -26,7 +26,7 @@ from pretrain.model.model import Transformer
 from pretrain.optim import MUON_ROLES, role, set_lr
 from pretrain.parallelize import build_engine, build_model, deepspeed_config
 
-stage, name, steps, clip = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+stage, name, steps, clip, drop_first = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5] == "1"
 cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
     "model.max_seq_len=128", "data.seq_len=128", "train.micro_batch_size=2", "train.precision=fp32",
@@ -41,10 +41,14 @@ def weights():
         return {k: v.detach().clone().float() for k, v in engine.module.named_parameters()}
 
 w0 = weights()
+inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+step = inner.step
 g = torch.Generator().manual_seed(0)
 batches = [torch.randint(0, 256, (2 * ws, 129), generator=g) for _ in range(steps)]
 norms = []
-for b in batches:
+for k, b in enumerate(batches):
+    # drop_first: the first update dropped as the trainer's guard drops one (its inner step not run)
+    inner.step = (lambda *a, **kw: None) if drop_first and k == 0 else step
     before = weights()  # (the last step's update is checked for orthogonality)
     mine = b[rank * 2:(rank + 1) * 2]
     set_lr(engine.optimizer, o.lr)
@@ -83,7 +87,7 @@ optimizers.append(torch.optim.Muon(matrices, lr=o.lr, weight_decay=o.weight_deca
                                    nesterov=True, ns_steps=5, adjust_lr_fn="match_rms_adamw") if name == "muon"
                   else torch.optim.AdamW(matrices, weight_decay=o.weight_decay, **adamw))
 ref_norms = []
-for b in batches:
+for b in batches[1:] if drop_first else batches:
     for opt in optimizers:
         opt.zero_grad()
     (sum(ref(b[r * 2:(r + 1) * 2, :-1], labels=b[r * 2:(r + 1) * 2, 1:]) for r in range(ws)) / ws).backward()
@@ -106,7 +110,7 @@ if rank == 0:
 """
 
 
-def _step(stage: int, name: str, nproc: int = 1, steps: int = 2, clip: float = 0.0) -> dict:
+def _step(stage: int, name: str, nproc: int = 1, steps: int = 2, clip: float = 0.0, drop_first: bool = False) -> dict:
     script = f"from pathlib import Path\nREPO = Path({str(REPO)!r})\n" + SCRIPT
     if nproc == 1:
         env = train_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
@@ -119,7 +123,7 @@ def _step(stage: int, name: str, nproc: int = 1, steps: int = 2, clip: float = 0
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                str(free_port()), str(path)]
     try:
-        proc = subprocess.run(cmd + [str(stage), name, str(steps), str(clip)], cwd=REPO, env=env, capture_output=True,
+        proc = subprocess.run(cmd + [str(stage), name, str(steps), str(clip), str(int(drop_first))], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=300)
     finally:
         if nproc > 1:
@@ -150,7 +154,7 @@ def test_muon_steps_as_torch_muon_does(stage, nproc, clip):
     With clipping below the gradient norm (0.3 against 0.54-0.80) the gradients are clipped before
     Muon, as clip_grad_norm_ then torch.optim.Muon: measured within 2.3e-3, and the engine reports
     the gradient norm (DeepSpeed alone reports the Muon updates' norm, ~31 here, and divides every
-    Muon step by it: parallelize.clip_gradients_before_muon)."""
+    Muon step by it: parallelize.muon_at_zero3)."""
     got = _step(stage, "muon", nproc, clip=clip)
     norms = got.pop("norms")
     if stage:
@@ -163,6 +167,20 @@ def test_muon_steps_as_torch_muon_does(stage, nproc, clip):
             # coefficients maps them into a band, not to 1: measured max/min 1.65-1.76 at either
             # step, 1 or 2 ranks; AdamW's update: 4.4-5.1, see below).
             assert r["sv_ratio"] < 3.0, (name, r)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_dropped_update_leaves_the_momentum(stage):
+    """The trainer drops an update (non-finite loss, spike) by not running the inner optimizer's
+    step. At ZeRO-3 DeepSpeed has folded the gradient into Muon's momentum before it
+    (stage3.py:2885); parallelize.muon_at_zero3 puts the momentum back. So a dropped step then a
+    step equals one step from the same weights (without the restore: the momentum held 5% of the
+    dropped gradient, measured buffer norms 0.0136 and 0.0059 after the drop)."""
+    got = _step(stage, "muon", drop_first=True)
+    got.pop("norms")
+    for name, r in got.items():
+        assert r["rel_err"] < (5e-3 if "sv_ratio" in r else 1e-4), (name, r)
 
 
 @pytest.mark.slow
