@@ -400,6 +400,12 @@ class CheckpointManager:
         engine, ckpt = self.engine, start.path
         load_dir, tag = ckpt.parent, ckpt.name
         universal = start.universal(self.env.world_size)
+        if universal and any(g.get("use_muon") for g in engine.optimizer.param_groups):
+            # ds_to_universal reads exp_avg/exp_avg_sq of every group (checkpoint/ds_to_universal.py:154);
+            # Muon's groups hold a momentum_buffer: it fails with KeyError 'exp_avg' (DeepSpeed 0.19.8).
+            raise CheckpointError(f"{ckpt} was saved at world size {start.meta['world_size']} with optimizer.name=muon, "
+                                  "whose state DeepSpeed cannot convert to another world size: resume at world size "
+                                  f"{start.meta['world_size']}")
         if universal:
             folder = self._universal_dir(ckpt)
             load_dir, tag = folder.parent, folder.name
