@@ -228,6 +228,12 @@ def build_engine(model: Transformer, cfg: Config, ds_config: dict, device: torch
     (pretrain/schedule.py)."""
     import deepspeed
 
+    if cfg.optimizer.name == "muon" and ds_config["zero_optimization"]["stage"] in (1, 2):
+        from pretrain.errors import ConfigError
+
+        raise ConfigError("optimizer.name=muon runs at distributed.zero_stage=3, or at 0 in fp32, for now: with "
+                          f"train.precision=auto this {'GPU' if device.type == 'cuda' else 'machine'} trains in bf16, "
+                          "which runs as ZeRO-1 (docs/optimizers.md)")
     optimizer = build_optimizer(model, cfg.optimizer, device)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if cfg.optimizer.name == "muon" and ds_config["zero_optimization"]["stage"] == 3 \

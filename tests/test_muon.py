@@ -236,6 +236,8 @@ def test_rate_rule_matches_torch_match_rms_adamw(shape):
     ("optimizer.muon_ns_steps=6", "DeepSpeed's Muon runs Nesterov momentum"),
     ("optimizer.muon_momentum=1.0", "optimizer.muon_momentum=1.0 must be in [0, 1)"),
     ("model.parametrization=mup", "Muon's muP rates are not derived yet"),
+    ("distributed.zero_stage=1", "Muon runs at distributed.zero_stage=3 without offload, or at 0 in fp32"),
+    ("train.precision=bf16", "Muon runs at distributed.zero_stage=3 without offload, or at 0 in fp32"),
 ])
 def test_muon_config_is_checked(override, message):
     from pretrain.config import load_config
