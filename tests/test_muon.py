@@ -26,14 +26,16 @@ from pretrain.model.model import Transformer
 from pretrain.optim import MUON_ROLES, role, set_lr
 from pretrain.parallelize import build_engine, build_model, deepspeed_config
 
-stage, name, steps, clip, drop_first = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5] == "1"
+stage, name, steps, clip, drop_first, precision = (int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4]),
+                                                  sys.argv[5] == "1", sys.argv[6])
 cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
-    "model.max_seq_len=128", "data.seq_len=128", "train.micro_batch_size=2", "train.precision=fp32",
+    "model.max_seq_len=128", "data.seq_len=128", "train.micro_batch_size=2", f"train.precision={precision}",
+    "train.activation_checkpointing=1",
     f"distributed.zero_stage={stage}", "distributed.param_persistence_threshold=0", f"optimizer.name={name}",
     "optimizer.muon_ns_method=gram", f"optimizer.grad_clip={clip}", "optimizer.lr=0.02", "optimizer.weight_decay=0.1"])
 ws, rank, o = env.world_size, env.rank, cfg.optimizer
-ds = deepspeed_config(cfg, ws, "fp32")
+ds = deepspeed_config(cfg, ws, precision)
 engine = build_engine(build_model(cfg.model, cfg, ds, seed=0), cfg, ds, env.device)
 
 def weights():
@@ -110,7 +112,8 @@ if rank == 0:
 """
 
 
-def _step(stage: int, name: str, nproc: int = 1, steps: int = 2, clip: float = 0.0, drop_first: bool = False) -> dict:
+def _step(stage: int, name: str, nproc: int = 1, steps: int = 2, clip: float = 0.0, drop_first: bool = False,
+          precision: str = "fp32") -> dict:
     script = f"from pathlib import Path\nREPO = Path({str(REPO)!r})\n" + SCRIPT
     if nproc == 1:
         env = train_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
@@ -123,7 +126,7 @@ def _step(stage: int, name: str, nproc: int = 1, steps: int = 2, clip: float = 0
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                str(free_port()), str(path)]
     try:
-        proc = subprocess.run(cmd + [str(stage), name, str(steps), str(clip), str(int(drop_first))], cwd=REPO, env=env, capture_output=True,
+        proc = subprocess.run(cmd + [str(stage), name, str(steps), str(clip), str(int(drop_first)), precision], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=300)
     finally:
         if nproc > 1:
@@ -167,6 +170,20 @@ def test_muon_steps_as_torch_muon_does(stage, nproc, clip):
             # coefficients maps them into a band, not to 1: measured max/min 1.65-1.76 at either
             # step, 1 or 2 ranks; AdamW's update: 4.4-5.1, see below).
             assert r["sv_ratio"] < 3.0, (name, r)
+
+
+@pytest.mark.slow
+def test_muon_is_active_on_the_users_path():
+    """bf16, ZeRO-3 under zero.Init, activation checkpointing, 2 ranks (seq_len 128 here, for time):
+    the #8438 failure (every weight on AdamW) fails the band. Against the fp32 reference the step
+    differs by bf16's rounding of the gradients and of the weights the update is read from:
+    measured 1.0-2.2% for the full-rank matrices, 8% for wo, 6% for the embedding (AdamW)."""
+    got = _step(3, "muon", 2, steps=1, precision="bf16")
+    got.pop("norms")
+    for name, r in got.items():
+        assert r["rel_err"] < 0.2, (name, r)
+        if any(k in name for k in FULL_RANK):
+            assert r["rel_err"] < 0.05 and r["sv_ratio"] < 3.0, (name, r)
 
 
 @pytest.mark.slow
