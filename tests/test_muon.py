@@ -1,6 +1,7 @@
 """optimizer.name=muon (WIP spike, issue 32): the config checks, the groups by role, and one real
 DeepSpeed engine step against torch.optim.Muon + torch.optim.AdamW from the same weights, at ZeRO-0,
-ZeRO-3 and ZeRO-3 under zero.Init on 2 ranks; the singular values show Muon is active.
+ZeRO-3 and ZeRO-3 under zero.Init on 2 ranks; the singular values show Muon is active; clipping,
+dropped updates, checkpoints.
 
 Not yet covered (docs/optimizers.md): bf16, clipping at ZeRO-1/2 (DeepSpeed clips with the norm
 of the Muon updates there), dropped steps, checkpoints."""
@@ -262,3 +263,31 @@ def test_muon_config_is_checked(override, message):
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         load_config(str(REPO / "configs" / "tiny.yaml"), ["optimizer.name=muon", override], world_size=1)
+
+
+@pytest.mark.slow
+def test_muon_checkpoints_resume_bitwise_and_refuse_what_they_cannot(tmp_path):
+    """2-rank ZeRO-3 Muon run, checkpoint at step 4: resumed at 2 ranks it repeats steps 5-8
+    bitwise (the momentum buffers are in DeepSpeed's optimizer shards); at 1 rank it is refused in
+    one line (DeepSpeed's universal conversion fails on Muon's state: KeyError 'exp_avg'); with
+    optimizer.name=adamw it is refused too (a resume keeps the optimizer)."""
+    import shutil
+
+    from helpers import losses, run_train
+
+    base = ["data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", "logging.log_every=1",
+            "logging.wandb=disabled", "schedule.warmup_steps=2", "distributed.zero_stage=3", "train.max_steps=8",
+            "train.eval_every=0", "optimizer.name=muon"]
+    straight = tmp_path / "straight"
+    run_train(base + ["checkpoint.every=4", f"train.run_dir={straight}"], nproc=2)
+    for name, nproc, extra in [("again", 2, []), ("one", 1, []), ("adamw", 2, ["optimizer.name=adamw"])]:
+        shutil.copytree(straight / "checkpoints" / "step_00000004", tmp_path / name / "checkpoints" / "step_00000004")
+        proc = run_train(base + extra + ["checkpoint.resume=auto", f"train.run_dir={tmp_path / name}"], nproc=nproc,
+                         check=name == "again")
+        if name == "again":
+            got, want = losses(tmp_path / name), losses(straight)
+            assert sorted(got) == [5, 6, 7, 8] and all(got[s] == want[s] for s in got)
+        else:
+            assert proc.returncode != 0
+            assert ("whose state DeepSpeed cannot convert" if name == "one" else
+                    "was trained with optimizer.name=muon, this run has optimizer.name=adamw") in proc.stdout + proc.stderr
