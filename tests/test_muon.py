@@ -3,8 +3,9 @@ DeepSpeed engine step against torch.optim.Muon + torch.optim.AdamW from the same
 ZeRO-3 and ZeRO-3 under zero.Init on 2 ranks; the singular values show Muon is active; clipping,
 dropped updates, checkpoints.
 
-Not yet covered (docs/optimizers.md): bf16, clipping at ZeRO-1/2 (DeepSpeed clips with the norm
-of the Muon updates there), dropped steps, checkpoints."""
+ZeRO-1/2, bf16 at stage 0 and offload are refused for now (DeepSpeed clips the Muon updates there
+and commits the momentum of a dropped step; docs/optimizers.md). Not yet covered: seq_len >= 1024
+against a reference, compile, gradient accumulation, muP."""
 
 import json
 import math
