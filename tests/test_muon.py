@@ -133,7 +133,8 @@ def _step(stage: int, name: str, nproc: int = 1, steps: int = 2, clip: float = 0
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                str(free_port()), str(path)]
     try:
-        proc = subprocess.run(cmd + [str(stage), name, str(steps), str(clip), str(int(drop_first)), precision, str(accum)], cwd=REPO, env=env, capture_output=True,
+        args = [str(stage), name, str(steps), str(clip), str(int(drop_first)), precision, str(accum)]
+        proc = subprocess.run(cmd + args, cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=300)
     finally:
         if nproc > 1:
@@ -156,8 +157,9 @@ FULL_RANK = ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "attention
 def test_muon_steps_as_torch_muon_does(stage, nproc, clip, accum):
     """Two steps (so the momentum counts) from the same weights. Measured: Muon's matrices within
     1.3e-3 relative (Frobenius) of torch.optim.Muon with adjust_lr_fn=match_rms_adamw, the AdamW
-    part within 4e-5 (1 rank and 2 ranks alike). The fp32 iterations agree to ~2e-6 on one matrix; the second step starts from
-    weights and momenta that already differ by that, and wq's and wk's ill-conditioned gradients
+    part within 4e-5 (1 rank and 2 ranks alike). The fp32 iterations agree to ~2e-6 on one matrix;
+    the second step starts from weights and momenta that already differ by that, and wq's and wk's
+    ill-conditioned gradients
     (singular values spanning 100x) magnify it in the Newton-Schulz polynomial, so 5e-3. A wrong
     rate rule (e.g. DeepSpeed's own sqrt(max(1, fan_out/fan_in)) alone: x0.6) or an AdamW
     step instead (#8438) is off by O(1).
@@ -297,5 +299,6 @@ def test_muon_checkpoints_resume_bitwise_and_refuse_what_they_cannot(tmp_path):
             assert sorted(got) == [5, 6, 7, 8] and all(got[s] == want[s] for s in got)
         else:
             assert proc.returncode != 0
-            assert ("whose state DeepSpeed cannot convert" if name == "one" else
-                    "was trained with optimizer.name=muon, this run has optimizer.name=adamw") in proc.stdout + proc.stderr
+            want = ("whose state DeepSpeed cannot convert" if name == "one" else
+                    "was trained with optimizer.name=muon, this run has optimizer.name=adamw")
+            assert want in proc.stdout + proc.stderr
