@@ -12,7 +12,7 @@ from pretrain import distributed, hub
 from pretrain.config import Config
 from pretrain.errors import ConfigError
 from pretrain.metrics import JsonlLogger, Loggers, MetricLogger, WandbLogger
-from pretrain.model.args import ModelArgs
+from pretrain.model.args import ROPE_FIELDS, ModelArgs
 
 log = logging.getLogger(__name__)
 
@@ -37,18 +37,18 @@ def tokenizer_and_model_args(cfg: Config):
     return tokenizer, args
 
 
-# What defines the architecture, as effective values; model.max_seq_len (the RoPE table) may be set freely.
+# What defines the architecture, as effective values. model.max_seq_len and the RoPE settings
+# (ROPE_FIELDS: the RoPE table, no weight) may be set freely: a longer context, a larger rope_theta.
 _ARCH = {"dim": "dim", "n_layers": "n_layers", "n_heads": "n_heads", "kv_heads": "n_kv_heads",
          "hidden_dim": "ffn_hidden_dim", "vocab_size": "vocab_size", "norm_eps": "norm_eps",
-         "rope_theta": "rope_theta", "tie_embeddings": "tie_embeddings",
-         "rope_scaling_factor": "rope_scaling_factor", "rope_low_freq_factor": "rope_low_freq_factor",
-         "rope_high_freq_factor": "rope_high_freq_factor", "rope_original_max_seq_len": "rope_original_max_seq_len"}
+         "tie_embeddings": "tie_embeddings"}
 
 
 def hf_model_args(cfg: Config) -> ModelArgs:
     """The model of `checkpoint.init_from`, a Hugging Face model: its config.json defines it. The
-    fields the run config's `model:` section sets are applied on top; if that changes the
-    architecture it is an error, not silently mixed."""
+    fields the run config's `model:` section sets are applied on top: the RoPE settings and
+    max_seq_len replace config.json's (continuing at a longer context); any other change of the
+    architecture is an error, not silently mixed."""
     if cfg.model.parametrization != "sp":
         raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from} is a Hugging Face model, whose "
                           f"weights are in the standard parametrization: fine-tune it with "
@@ -68,7 +68,7 @@ def hf_model_args(cfg: Config) -> ModelArgs:
                           + ": remove these from the model section (or make them match)")
     if cfg.model.max_seq_len != default.max_seq_len:
         args.max_seq_len = cfg.model.max_seq_len
-    return args
+    return dataclasses.replace(args, **{f: getattr(merged, f) for f in ROPE_FIELDS if f != "max_seq_len"})
 
 
 def data(cfg: Config, tokenizer, env: distributed.Dist):

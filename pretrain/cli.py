@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--data", help="score this source instead (a local file, glob, folder, or hub dataset name)")
     ev.add_argument("--batches", type=int, default=0, help="score the first N global batches (0 = one full pass)")
     ev.add_argument("--micro-batch-size", type=int, default=0, help="sequences per forward (0 = the config's)")
+    ev.add_argument("--by-position", type=int, default=0, metavar="N",
+                    help="also the mean loss per bucket of N positions in the window ([0,N), [N,2N), ...; 0 = off): "
+                         "loss past a model's old context, before and after extending it (docs/long_context.md)")
     ev.add_argument("--tasks", default="", help="score downstream tasks instead: comma-separated names "
                     "(hellaswag, arc_easy, arc_challenge, piqa, winogrande, lambada_openai, sciq), NAME=FILE for "
                     "local files in the hub schema, or .jsonl files of your own (docs/evaluation.md)")

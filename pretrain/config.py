@@ -26,7 +26,7 @@ import yaml
 
 from data_pipeline.config import DataConfig
 from pretrain.errors import ConfigError
-from pretrain.model.args import PRESETS, ModelArgs
+from pretrain.model.args import PRESETS, ModelArgs, _divisor_hint
 from pretrain.resilience import HANG_EXIT_S
 
 
@@ -267,14 +267,14 @@ class Config:
         elif sp > 1:
             if self.model.n_heads % sp:
                 out.append(f"distributed.sequence_parallel={sp} does not divide model.n_heads={self.model.n_heads}: "
-                           f"each rank attends with n_heads / {sp} heads (use one of {_divisors(self.model.n_heads)})")
+                           f"each rank attends with n_heads / {sp} heads (use one of {_divisor_hint(self.model.n_heads)})")
             if self.data.seq_len % sp:
                 out.append(f"distributed.sequence_parallel={sp} does not divide data.seq_len={self.data.seq_len}: "
                            "each rank holds seq_len / sequence_parallel tokens")
         if world_size is not None and not out:
             if world_size % sp:
                 out.append(f"distributed.sequence_parallel={sp} does not divide the world size {world_size}: "
-                           f"use one of {_divisors(world_size)}")
+                           f"use one of {_divisor_hint(world_size)}")
                 return out
             dp = world_size // sp
             try:
@@ -310,10 +310,6 @@ class Config:
                 f"global batch of {gb} sequences is not divisible by micro_batch_size {mb} x {what} "
                 f"{dp_size}: pick a global batch that is a multiple of {mb * dp_size}")
         return gb // (mb * dp_size)
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def _choice(out: list[str], name: str, value, allowed: tuple) -> None:

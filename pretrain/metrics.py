@@ -103,19 +103,28 @@ class MetricLogger:
     def log(self, metrics: dict, step: int) -> None:
         pass
 
+    def rewind(self, step: int) -> None:
+        """The run went back to step `step` (a rollback): records after it are of an abandoned timeline."""
+
     def close(self) -> None:
         pass
 
 
 class JsonlLogger(MetricLogger):
-    """Appends one JSON object per record to run_dir/metrics.jsonl, kept across resumes. Records
-    after `keep_until_step` are dropped first: they belong to steps the resumed checkpoint does not
-    hold (a run killed after its last checkpoint), which the resumed run trains and logs again."""
+    """Appends one JSON object per record to run_dir/metrics.jsonl, kept across resumes: one line
+    per step, the curve the weights followed. Records after `keep_until_step` are dropped first: they
+    belong to steps the resumed checkpoint does not hold (a run killed after its last checkpoint),
+    which the resumed run trains and logs again; a rollback drops those of its abandoned timeline."""
 
     def __init__(self, run_dir: Path, keep_until_step: int = 0):
         self.path = Path(run_dir) / "metrics.jsonl"
         if self.path.is_file():
             self._rewind(keep_until_step)
+        self.file = open(self.path, "a", buffering=1)
+
+    def rewind(self, step: int) -> None:
+        self.file.close()
+        self._rewind(step)
         self.file = open(self.path, "a", buffering=1)
 
     def _rewind(self, step: int) -> None:
@@ -132,7 +141,7 @@ class JsonlLogger(MetricLogger):
         from pretrain.rundir import write_atomic
 
         write_atomic(self.path, "".join(f"{line}\n" for line in kept))
-        log.info("metrics.jsonl: dropped %d records after step %d (logged after the checkpoint resumed from)",
+        log.info("metrics.jsonl: dropped %d records after step %d (logged after the checkpoint restored)",
                  len(lines) - len(kept), step)
 
     def log(self, metrics: dict, step: int) -> None:
@@ -199,6 +208,10 @@ class Loggers(MetricLogger):
     def log(self, metrics: dict, step: int) -> None:
         for lg in self.loggers:
             lg.log(metrics, step)
+
+    def rewind(self, step: int) -> None:
+        for lg in self.loggers:
+            lg.rewind(step)
 
     def close(self) -> None:
         errors = []

@@ -372,6 +372,7 @@ class Trainer:
                     if target is not None:
                         spike_skips = self.spike_skips  # (a count of the run, not of the checkpoint)
                         self._go_back_to(target)
+                        self.logger.rewind(self.step)  # metrics.jsonl: the abandoned timeline's records go
                         self.spike_skips, self.rollbacks.recent_spikes = spike_skips, []
                         self.logger.log({"train/rollbacks": self.rollbacks.rollbacks}, self.step)
                         window_start, window_steps, losses = time.perf_counter(), 0, []

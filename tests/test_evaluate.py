@@ -162,3 +162,58 @@ def test_eval_command_with_data_and_micro_batch_size(data, tmp_path, monkeypatch
     n = want["sequences"]
     assert sizes == [3] * (n // 3) + [n % 3] * bool(n % 3)
     assert f"{n:,} sequences, {want['tokens']:,} tokens" in capsys.readouterr().out
+
+
+def reference_by_position(model, tokenizer, cfg, width: int) -> list[tuple[int, int, float, int]]:
+    """(start, end, mean loss, tokens) per bucket of `width` positions, one window at a time, from a
+    plain cross-entropy over the logits."""
+    T = cfg.data.seq_len
+    sums, counts = [0.0] * -(-T // width), [0] * -(-T // width)
+    with torch.no_grad():
+        for w in dp.evaluation_windows(cfg.data, tokenizer, 0, 1):
+            w = torch.from_numpy(w.astype("int64"))
+            losses = F.cross_entropy(model(w[None, :-1])[0].double(), w[1:], reduction="none")
+            for t, x in enumerate(losses.tolist()):
+                sums[t // width] += x
+                counts[t // width] += 1
+    return [(i * width, min((i + 1) * width, T), s / c, c) for i, (s, c) in enumerate(zip(sums, counts))]
+
+
+def test_by_position_gives_the_mean_loss_of_each_bucket_of_positions(model, data):
+    """--by-position 10 over 32-token windows: buckets [0,10) [10,20) [20,30) [30,32), each the mean of
+    its tokens' losses, the same at any micro-batch size (float64 sums of the same fp32 losses; measured:
+    to the bit), so at any world size; the overall numbers are those without it."""
+    path, config = data
+    tokenizer = dp.load_tokenizer(TOKENIZER)
+    cfg = _cfg(config, path)
+    want = reference_by_position(model, tokenizer, cfg, 10)
+    seen = []
+    for micro in (3, 0):
+        plain = evaluate(model, tokenizer, cfg, ENV, micro_batch_size=micro)
+        got = evaluate(model, tokenizer, cfg, ENV, micro_batch_size=micro, by_position=10)
+        assert "by_position" not in plain and {k: v for k, v in got.items() if k != "by_position"} == plain
+        buckets = got["by_position"]
+        assert [(b["start"], b["end"], b["tokens"]) for b in buckets] == [(s, e, n) for s, e, _, n in want]
+        assert [b["tokens"] for b in buckets] == [got["sequences"] * n for n in (10, 10, 10, 2)]
+        for b, (_, _, loss, _) in zip(buckets, want):
+            assert b["loss"] == pytest.approx(loss, rel=1e-5)
+        overall = sum(b["loss"] * b["tokens"] for b in buckets) / got["tokens"]
+        assert overall == pytest.approx(got["loss"], rel=1e-6)
+        seen.append(buckets)
+    for a, b in zip(*seen):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-12)
+    assert len(evaluate(model, tokenizer, cfg, ENV, by_position=64)["by_position"]) == 1  # wider than a window
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--by-position", "-8"], "--by-position -8: give a bucket width in tokens >= 1 (0 = off)"),
+    (["--by-position", "8", "--tasks", "arc_easy"], "--by-position goes with the loss eval, not --tasks"),
+    (["model.n_layers=2"], "model.n_layers: the model is the checkpoint's; an eval may change only model.max_seq_len, "
+                           "model.rope_theta"),
+])
+def test_bad_eval_options_are_one_line(tmp_path, capsys, argv, line):
+    from pretrain.cli import main
+
+    assert main(["eval", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"pretrain: error: {line}"), err

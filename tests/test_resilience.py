@@ -219,6 +219,8 @@ def test_spikes_in_a_row_roll_back_and_skip_their_data(tmp_path, told):
     a, b = _weights(rolled, 24), _weights(told, 24)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [r["train/rollbacks"] for r in read_metrics(rolled) if "train/rollbacks" in r] == [1]
+    # metrics.jsonl is the curve the weights followed: the abandoned steps 7-14 are not in it twice
+    assert [r["step"] for r in read_metrics(rolled) if "train/loss" in r] == list(range(1, 25))
     resumed = tmp_path / "resumed"
     shutil.copytree(rolled, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000024")

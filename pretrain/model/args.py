@@ -185,6 +185,12 @@ class ModelArgs:
 
 PARAMETRIZATIONS = ("sp", "mup", "completep")
 
+# The fields that only set the RoPE table, which no weight depends on: fine-tuning may change them
+# (continuing a checkpoint at a longer context: docs/long_context.md), and `pretrain eval` may score
+# a model under other values.
+ROPE_FIELDS = ("max_seq_len", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+               "rope_original_max_seq_len")
+
 
 def _divisor_hint(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
