@@ -340,7 +340,8 @@ def muon_problems(cfg: "Config") -> list[str]:
         # ZeRO-3 is corrected so far (parallelize.muon_at_zero3; docs/optimizers.md).
         out.append(f"optimizer.name=muon with distributed.zero_stage={d.zero_stage}, train.precision={precision}, "
                    f"offload_optimizer={d.offload_optimizer}: Muon runs at distributed.zero_stage=3 without "
-                   "offload, or at 0 in fp32, for now")
+                   "offload, or at 0 in fp32 (DeepSpeed's other paths clip the Muon update instead of the "
+                   "gradient and keep a dropped step's momentum; docs/optimizers.md)")
     if cfg.model.parametrization != "sp":
         out.append(f"optimizer.name=muon with model.parametrization={cfg.model.parametrization}: Muon's muP rates "
                    "are not derived yet; use model.parametrization=sp")

@@ -1,11 +1,12 @@
-"""optimizer.name=muon (WIP spike, issue 32): the config checks, the groups by role, and one real
-DeepSpeed engine step against torch.optim.Muon + torch.optim.AdamW from the same weights, at ZeRO-0,
-ZeRO-3 and ZeRO-3 under zero.Init on 2 ranks; the singular values show Muon is active; clipping,
-dropped updates, checkpoints.
+"""optimizer.name=muon: the config checks, the groups by role, and real DeepSpeed engine steps
+against torch.optim.Muon + torch.optim.AdamW from the same weights, at ZeRO-0, ZeRO-3 and ZeRO-3
+under zero.Init on 2 ranks (clipping, gradient accumulation, a dropped update); the singular values
+show Muon is active, on the user's path too (bf16, ZeRO-3, activation checkpointing, 2 ranks, 1024
+tokens); checkpoints resume bitwise and refuse what they cannot; `pretrain train` on the user's path
+with compile, WSD-S, spikes and a rollback.
 
-ZeRO-1/2, bf16 at stage 0 and offload are refused for now (DeepSpeed clips the Muon updates there
-and commits the momentum of a dropped step; docs/optimizers.md). Not yet covered: seq_len >= 1024
-against a reference, compile, gradient accumulation, muP."""
+ZeRO-1/2, bf16 at stage 0 and offload are refused (DeepSpeed clips the Muon updates there and
+commits the momentum of a dropped step; docs/optimizers.md)."""
 
 import json
 import math
@@ -28,13 +29,13 @@ from pretrain.model.model import Transformer
 from pretrain.optim import MUON_ROLES, role, set_lr
 from pretrain.parallelize import build_engine, build_model, deepspeed_config
 
-stage, name, steps, clip, drop_first, precision, accum = (int(sys.argv[1]), sys.argv[2], int(sys.argv[3]),
-                                                         float(sys.argv[4]), sys.argv[5] == "1", sys.argv[6],
-                                                         int(sys.argv[7]))
+stage, name, steps, clip, drop_first, precision, accum, seq = (int(sys.argv[1]), sys.argv[2], int(sys.argv[3]),
+                                                              float(sys.argv[4]), sys.argv[5] == "1", sys.argv[6],
+                                                              int(sys.argv[7]), int(sys.argv[8]))
 ws = int(os.environ["WORLD_SIZE"])
 cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
-    "model.max_seq_len=128", "data.seq_len=128", "train.micro_batch_size=2", f"train.precision={precision}",
+    f"model.max_seq_len={seq}", f"data.seq_len={seq}", "train.micro_batch_size=2", f"train.precision={precision}",
     "train.activation_checkpointing=1",
     f"distributed.zero_stage={stage}", "distributed.param_persistence_threshold=0", f"optimizer.name={name}",
     "optimizer.muon_ns_method=gram", f"optimizer.grad_clip={clip}", "optimizer.lr=0.02", "optimizer.weight_decay=0.1",
@@ -51,7 +52,7 @@ w0 = weights()
 inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
 step = inner.step
 g = torch.Generator().manual_seed(0)
-batches = [torch.randint(0, 256, (2 * ws * accum, 129), generator=g) for _ in range(steps)]
+batches = [torch.randint(0, 256, (2 * ws * accum, seq + 1), generator=g) for _ in range(steps)]
 norms = []
 for k, b in enumerate(batches):
     # drop_first: the first update dropped as the trainer's guard drops one (its inner step not run)
@@ -120,7 +121,7 @@ if rank == 0:
 
 
 def _step(stage: int, name: str, nproc: int = 1, steps: int = 2, clip: float = 0.0, drop_first: bool = False,
-          precision: str = "fp32", accum: int = 1) -> dict:
+          precision: str = "fp32", accum: int = 1, seq: int = 128) -> dict:
     script = f"from pathlib import Path\nREPO = Path({str(REPO)!r})\n" + SCRIPT
     if nproc == 1:
         env = train_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
@@ -133,7 +134,7 @@ def _step(stage: int, name: str, nproc: int = 1, steps: int = 2, clip: float = 0
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                str(free_port()), str(path)]
     try:
-        args = [str(stage), name, str(steps), str(clip), str(int(drop_first)), precision, str(accum)]
+        args = [str(stage), name, str(steps), str(clip), str(int(drop_first)), precision, str(accum), str(seq)]
         proc = subprocess.run(cmd + args, cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=300)
     finally:
@@ -185,11 +186,10 @@ def test_muon_steps_as_torch_muon_does(stage, nproc, clip, accum):
 
 @pytest.mark.slow
 def test_muon_is_active_on_the_users_path():
-    """bf16, ZeRO-3 under zero.Init, activation checkpointing, 2 ranks (seq_len 128 here, for time):
-    the #8438 failure (every weight on AdamW) fails the band. Against the fp32 reference the step
-    differs by bf16's rounding of the gradients and of the weights the update is read from:
-    measured 1.0-2.2% for the full-rank matrices, 8% for wo, 6% for the embedding (AdamW)."""
-    got = _step(3, "muon", 2, steps=1, precision="bf16")
+    """bf16, ZeRO-3 under zero.Init, activation checkpointing, 2 ranks, 1024-token sequences: the
+    #8438 failure (every weight on AdamW) fails the band. Against the fp32 reference the step
+    differs by bf16's rounding of the gradients and of the weights the update is read from."""
+    got = _step(3, "muon", 2, steps=1, precision="bf16", seq=1024)
     got.pop("norms")
     for name, r in got.items():
         assert r["rel_err"] < 0.2, (name, r)
@@ -280,7 +280,8 @@ def test_muon_checkpoints_resume_bitwise_and_refuse_what_they_cannot(tmp_path):
     """2-rank ZeRO-3 Muon run, checkpoint at step 4: resumed at 2 ranks it repeats steps 5-8
     bitwise (the momentum buffers are in DeepSpeed's optimizer shards); at 1 rank it is refused in
     one line (DeepSpeed's universal conversion fails on Muon's state: KeyError 'exp_avg'); with
-    optimizer.name=adamw it is refused too (a resume keeps the optimizer)."""
+    optimizer.name=adamw it is refused too (a resume keeps the optimizer). Fine-tuning from it with
+    AdamW starts a fresh optimizer; asking to load its optimizer state then is refused."""
     import shutil
 
     from helpers import losses, run_train
@@ -290,6 +291,15 @@ def test_muon_checkpoints_resume_bitwise_and_refuse_what_they_cannot(tmp_path):
             "train.eval_every=0", "optimizer.name=muon"]
     straight = tmp_path / "straight"
     run_train(base + ["checkpoint.every=4", f"train.run_dir={straight}"], nproc=2)
+    step4 = straight / "checkpoints" / "step_00000004"
+    # Fine-tuning may switch the optimizer (fresh state); taking the optimizer's state along may not.
+    tuned = run_train(base + ["optimizer.name=adamw", f"checkpoint.init_from={step4}", "train.max_steps=2",
+                              f"train.run_dir={tmp_path / 'tuned'}"], nproc=2)
+    assert json.loads((tmp_path / "tuned" / "checkpoints" / "step_00000002" / "meta.json").read_text())[
+        "optimizer"] == "adamw", tuned.stdout[-2000:]
+    carried = run_train(base + ["optimizer.name=adamw", f"checkpoint.init_from={step4}", "checkpoint.init_load_optimizer=true",
+                                f"train.run_dir={tmp_path / 'carried'}"], nproc=2, check=False)
+    assert carried.returncode != 0 and "was trained with optimizer.name=muon" in carried.stdout + carried.stderr
     for name, nproc, extra in [("again", 2, []), ("one", 1, []), ("adamw", 2, ["optimizer.name=adamw"])]:
         shutil.copytree(straight / "checkpoints" / "step_00000004", tmp_path / name / "checkpoints" / "step_00000004")
         proc = run_train(base + extra + ["checkpoint.resume=auto", f"train.run_dir={tmp_path / name}"], nproc=nproc,
@@ -302,3 +312,50 @@ def test_muon_checkpoints_resume_bitwise_and_refuse_what_they_cannot(tmp_path):
             want = ("whose state DeepSpeed cannot convert" if name == "one" else
                     "was trained with optimizer.name=muon, this run has optimizer.name=adamw")
             assert want in proc.stdout + proc.stderr
+
+
+# The user's path (tests/test_user_path.py's): 2 ranks, bf16, ZeRO-3, activation checkpointing, 1024 tokens.
+USER_PATH = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=1024",
+             "data.seq_len=1024", "train.micro_batch_size=1", "train.global_batch_size=4",
+             "train.activation_checkpointing=1", "distributed.param_persistence_threshold=0", "logging.log_every=1",
+             "logging.wandb=disabled", "train.eval_every=0", "train.eval_batches=1", "data.num_streams=2",
+             "train.precision=bf16", "distributed.zero_stage=3", "optimizer.name=muon", "train.max_steps=14",
+             "checkpoint.every=3", "checkpoint.keep_last=10", "schedule.warmup_steps=2"]
+# WSD-S (a decay branch ending at step 8, started from step 6's state) and the spike guard:
+# injected spikes (loss and gradients x1000) at 10, 11, 12 are dropped, then roll the run back to
+# step 9 with 2 batches skipped (spike_sigma=50: only the injected spikes count).
+FEATURES = ["train.compile=true", "schedule.kind=wsd", "schedule.decay_points=[8]", "schedule.decay_fraction=0.25",
+            "train.on_nonfinite=skip", "resilience.spike_sigma=50", "resilience.spike_warmup=3",
+            "resilience.spike_window=6", "resilience.rollback_after=3", "resilience.rollback_window=5",
+            "resilience.rollback_skip_batches=2"]
+SPIKES = {"PRETRAIN_FAULT": "spike@step=10;spike@step=11;spike@step=12"}
+
+
+@pytest.mark.slow
+def test_muon_trains_on_the_users_path_with_compile_wsd_s_and_a_rollback(tmp_path):
+    """`pretrain train` with Muon on the user's path, compiled, with a WSD-S branch, dropped spikes
+    and a rollback, each step in the curve once; a resume from step 6's checkpoint (before the
+    branch, the spikes and the rollback) repeats every later loss bitwise: the momentum buffers, the
+    branch and the rollback come back alike."""
+    import shutil
+
+    from helpers import losses, read_metrics, run_train
+
+    straight = tmp_path / "straight"
+    proc = run_train(USER_PATH + FEATURES + [f"train.run_dir={straight}"], nproc=2, env=SPIKES)
+    out = proc.stdout
+    assert "train.compile: the first step (compiling)" in out
+    assert "decay branch to step 8: train loss" in out
+    assert "warning: 3 spikes in steps 10-12: rolling back to step_00000009 and skipping 2 batches" in out, out[-3000:]
+    records = [r for r in read_metrics(straight) if "train/loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 15))
+    assert all(math.isfinite(r["train/loss"]) and r["train/grad_norm"] < 100 for r in records)
+    assert records[-1]["train/loss"] < records[0]["train/loss"] - 1.0
+    meta = json.loads((straight / "checkpoints" / "step_00000014" / "meta.json").read_text())
+    assert meta["optimizer"] == "muon" and meta["world_size"] == 2
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight / "checkpoints" / "step_00000006", resumed / "checkpoints" / "step_00000006")
+    run_train(USER_PATH + FEATURES + ["checkpoint.resume=auto", f"train.run_dir={resumed}"], nproc=2, env=SPIKES)
+    got, want = losses(resumed), losses(straight)
+    assert sorted(got) == list(range(7, 15)) and all(got[s] == want[s] for s in got), (got, want)
