@@ -333,15 +333,11 @@ def muon_problems(cfg: "Config") -> list[str]:
     if not o.muon_nesterov or o.muon_ns_steps != 5:
         out.append(f"optimizer.muon_nesterov={o.muon_nesterov} muon_ns_steps={o.muon_ns_steps}: DeepSpeed's Muon "
                    "runs Nesterov momentum and 5 Newton-Schulz steps, fixed; keep true and 5")
-    d, precision = cfg.distributed, cfg.train.precision
-    if d.zero_stage in (1, 2) or (d.zero_stage == 0 and precision in ("bf16", "fp16")) or d.offload_optimizer:
-        # (bf16 at stage 0 runs as stage 1.) DeepSpeed's ZeRO-1/2 and offload paths take the norm
-        # over the Muon updates and clip those, and commit the momentum of a dropped step; only
-        # ZeRO-3 is corrected so far (parallelize.muon_at_zero3; docs/optimizers.md).
-        out.append(f"optimizer.name=muon with distributed.zero_stage={d.zero_stage}, train.precision={precision}, "
-                   f"offload_optimizer={d.offload_optimizer}: Muon runs at distributed.zero_stage=3 without "
-                   "offload, or at 0 in fp32 (DeepSpeed's other paths clip the Muon update instead of the "
-                   "gradient and keep a dropped step's momentum; docs/optimizers.md)")
+    if cfg.distributed.offload_optimizer:
+        # DeepSpeed's offload path orthogonalises before the norm (stage_1_and_2.py:3038,
+        # _apply_muon_updates_cpu_offload) and clips the updates; not corrected (docs/optimizers.md).
+        out.append("optimizer.name=muon with distributed.offload_optimizer=true: DeepSpeed's offload path clips the "
+                   "Muon update instead of the gradient; turn offload off")
     if cfg.model.parametrization != "sp":
         out.append(f"optimizer.name=muon with model.parametrization={cfg.model.parametrization}: Muon's muP rates "
                    "are not derived yet; use model.parametrization=sp")

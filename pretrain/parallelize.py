@@ -46,12 +46,12 @@ def trainer_clips(cfg: Config, precision: str) -> bool:
 
 
 def muon_clips_itself(cfg: Config, precision: str) -> bool:
-    """Muon at ZeRO-3: DeepSpeed takes the gradient norm after Newton-Schulz, over the Muon updates
-    (stage3.py:2885), and would clip those (tiny model: norm 31 where the gradient's is 0.77, every
-    Muon step divided by 31). The engine's optimizer is wrapped instead (muon_at_zero3)
-    and DeepSpeed told not to clip. (WIP: ZeRO-1/2 orthogonalise during the reduction and still clip
-    the updates.)"""
-    return cfg.optimizer.name == "muon" and engine_zero_stage(cfg, precision) == 3 \
+    """Muon at ZeRO 1-3: DeepSpeed takes the gradient norm after Newton-Schulz, over the Muon updates
+    (stage3.py:2885; stage_1_and_2.py orthogonalises while it flattens the gradient partitions), and
+    would clip those (tiny model: norm 31 where the gradient's is 0.77, every Muon step divided by
+    31). The engine's optimizer is wrapped instead (muon_at_zero3, muon_at_zero12) and DeepSpeed
+    told not to clip."""
+    return cfg.optimizer.name == "muon" and engine_zero_stage(cfg, precision) > 0 \
         and not cfg.distributed.offload_optimizer
 
 
@@ -122,6 +122,70 @@ def muon_at_zero3(zero, clip: float) -> None:
     zero._apply_muon_to_accumulated_grads = clip_then_apply
     zero._get_norm_groups = gradient_norm_groups
     zero._post_step = restore_then_post_step
+    inner.step = step
+
+
+def muon_at_zero12(zero, clip: float) -> None:
+    """The same two corrections at ZeRO-1/2 (`zero`: DeepSpeed's stage-1/2 optimizer). There DeepSpeed
+    orthogonalises inside get_flat_partition, as it cuts each group's reduced gradients into this
+    rank's partition at the accumulation boundary (stage_1_and_2.py:2749), before any norm is known;
+    step() then takes the norm over the updates, clips them, and commits the momentum staged by the
+    orthogonalisation before the inner step (so a dropped update keeps it).
+
+    Here the cut of a Muon group keeps the raw gradient (and the group's full gradients, which the
+    partition views anyway); when step() asks for the norm, it gets the raw gradients' norm, every
+    gradient is clipped by it, and only then does DeepSpeed's own cut orthogonalise the Muon
+    groups (from the clipped full gradients, staging the momentum from the committed one). The
+    commit waits for the inner step."""
+    cut, norm, commit, inner = zero.get_flat_partition, zero.scaled_global_norm, zero._commit_muon_momentum, zero.optimizer
+    inner_step = inner.step
+    pending: dict[int, tuple] = {}  # Muon group -> (its cut's arguments, its full gradients)
+    uncommitted = [False]
+
+    def raw_cut(tensor_list, first_offset, partition_size, dtype, device, param_group_idx, return_tensor_list=False):
+        args = (tensor_list, first_offset, partition_size, dtype, device, param_group_idx, return_tensor_list)
+        if not zero._is_muon_group(tensor_list):
+            return cut(*args)
+        pending[param_group_idx] = (args, list(zero.all_grad_tensors[param_group_idx]))
+        for p in tensor_list:  # (DeepSpeed's cut orthogonalises the tensors flagged use_muon)
+            p.use_muon = False
+        try:
+            return cut(*args)
+        finally:
+            for p in tensor_list:
+                p.use_muon = True
+
+    def clip_then_orthogonalise():
+        zero.groups_lacking_loss_scale.difference_update(pending)  # (raw gradients carry the loss scale)
+        total = norm()
+        if clip > 0:  # (as DeepSpeed's unscale_and_clip_grads)
+            factor = torch.clamp((total / zero.loss_scale + 1e-6) / clip, min=1.0)
+            for i, parts in zero.averaged_gradients.items():
+                if i not in pending and parts is not None:
+                    for part in parts:
+                        part.div_(factor)
+            for _, full in pending.values():
+                for grad in full:
+                    grad.div_(factor)
+        for i, (args, full) in pending.items():
+            zero.all_grad_tensors[i] = full
+            zero.averaged_gradients[i] = cut(*args)
+            zero.all_grad_tensors[i] = None
+        pending.clear()
+        return total
+
+    def commit_later():
+        uncommitted[0] = True
+
+    def step(*args, **kwargs):
+        if uncommitted[0]:
+            commit()
+            uncommitted[0] = False
+        return inner_step(*args, **kwargs)
+
+    zero.get_flat_partition = raw_cut
+    zero.scaled_global_norm = clip_then_orthogonalise
+    zero._commit_muon_momentum = commit_later
     inner.step = step
 
 
@@ -228,17 +292,11 @@ def build_engine(model: Transformer, cfg: Config, ds_config: dict, device: torch
     (pretrain/schedule.py)."""
     import deepspeed
 
-    if cfg.optimizer.name == "muon" and ds_config["zero_optimization"]["stage"] in (1, 2):
-        from pretrain.errors import ConfigError
-
-        raise ConfigError("optimizer.name=muon runs at distributed.zero_stage=3, or at 0 in fp32, for now: with "
-                          f"train.precision=auto this {'GPU' if device.type == 'cuda' else 'machine'} trains in bf16, "
-                          "which runs as ZeRO-1 (docs/optimizers.md)")
     optimizer = build_optimizer(model, cfg.optimizer, device)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    if cfg.optimizer.name == "muon" and ds_config["zero_optimization"]["stage"] == 3 \
-            and "offload_optimizer" not in ds_config["zero_optimization"]:
-        muon_at_zero3(engine.optimizer, cfg.optimizer.grad_clip)
+    zero = ds_config["zero_optimization"]
+    if cfg.optimizer.name == "muon" and zero["stage"] > 0 and "offload_optimizer" not in zero:
+        (muon_at_zero3 if zero["stage"] == 3 else muon_at_zero12)(engine.optimizer, cfg.optimizer.grad_clip)
     check_rope_table(engine.module)
     return engine
 
