@@ -50,9 +50,33 @@ def muon_clips_itself(cfg: Config, precision: str) -> bool:
     (stage3.py:2885; stage_1_and_2.py orthogonalises while it flattens the gradient partitions), and
     would clip those (tiny model: norm 31 where the gradient's is 0.77, every Muon step divided by
     31). The engine's optimizer is wrapped instead (muon_at_zero3, muon_at_zero12) and DeepSpeed
-    told not to clip."""
+    told not to clip. Not DeepSpeed's bf16 optimizer (bf16 at stage 1 with fp32 gradients): it
+    clips the gradients before Newton-Schulz itself (muon_at_bf16)."""
     return cfg.optimizer.name == "muon" and engine_zero_stage(cfg, precision) > 0 \
+        and not cfg.distributed.offload_optimizer and not bf16_optimizer(cfg, precision)
+
+
+def bf16_optimizer(cfg: Config, precision: str) -> bool:
+    """Whether DeepSpeed runs its BF16_Optimizer (engine.py, _do_optimizer_sanity_check): bf16 at
+    ZeRO-1 (ours at 0 too) with fp32 gradient accumulation, no offload."""
+    return precision == "bf16" and engine_zero_stage(cfg, precision) == 1 and cfg.distributed.grad_dtype == "fp32" \
         and not cfg.distributed.offload_optimizer
+
+
+def muon_at_bf16(opt) -> None:
+    """DeepSpeed's bf16 optimizer clips the raw gradients, then orthogonalises and commits the new
+    momentum (_prepare_muon_updates, bf16_optimizer.py:436), then runs the inner step, which is all
+    the trainer's guard can drop. The orthogonalisation moves into the inner step: a dropped update
+    leaves the momentum."""
+    prepare, inner = opt._prepare_muon_updates, opt.optimizer
+    inner_step = inner.step
+
+    def step(*args, **kwargs):
+        prepare()
+        return inner_step(*args, **kwargs)
+
+    opt._prepare_muon_updates = lambda: None
+    inner.step = step
 
 
 def muon_at_zero3(zero, clip: float) -> None:
@@ -296,7 +320,10 @@ def build_engine(model: Transformer, cfg: Config, ds_config: dict, device: torch
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     zero = ds_config["zero_optimization"]
     if cfg.optimizer.name == "muon" and zero["stage"] > 0 and "offload_optimizer" not in zero:
-        (muon_at_zero3 if zero["stage"] == 3 else muon_at_zero12)(engine.optimizer, cfg.optimizer.grad_clip)
+        if hasattr(engine.optimizer, "_prepare_muon_updates"):  # (DeepSpeed's BF16_Optimizer: bf16_optimizer())
+            muon_at_bf16(engine.optimizer)
+        else:
+            (muon_at_zero3 if zero["stage"] == 3 else muon_at_zero12)(engine.optimizer, cfg.optimizer.grad_clip)
     check_rope_table(engine.module)
     return engine
 

@@ -201,17 +201,27 @@ def test_muon_is_active_on_the_users_path(stage):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_a_dropped_update_leaves_the_momentum(stage):
+@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16")])
+def test_a_dropped_update_leaves_the_momentum(stage, precision):
     """The trainer drops an update (non-finite loss, spike) by not running the inner optimizer's
-    step. At ZeRO-3 DeepSpeed has folded the gradient into Muon's momentum before it
-    (stage3.py:2885); parallelize.muon_at_zero3 puts the momentum back. So a dropped step then a
-    step equals one step from the same weights (without the restore: the momentum held 5% of the
-    dropped gradient, measured buffer norms 0.0136 and 0.0059 after the drop)."""
-    got = _step(stage, "muon", drop_first=True)
-    got.pop("norms")
+    step. DeepSpeed folds the gradient into Muon's momentum before it: at ZeRO-3
+    (stage3.py:2885; parallelize.muon_at_zero3 puts the momentum back), at ZeRO-1/2 (it commits the
+    staged momentum before the inner step; muon_at_zero12 commits it in the inner step) and in its
+    bf16 optimizer (bf16 at stage 0/1: muon_at_bf16 orthogonalises in the inner step). So a dropped
+    step then a step equals one step from the same weights (without the fix the momentum holds 5%
+    of the dropped gradient, about a third of the next Nesterov blend: O(1) off). In bf16 (2 ranks,
+    the gradients clipped at 0.3, which DeepSpeed's bf16 optimizer does before Newton-Schulz), within
+    bf16's rounding of the fp32 reference, and the reported norm is the gradient's."""
+    bf16 = precision == "bf16"
+    got = _step(stage, "muon", 2 if bf16 else 1, drop_first=True, precision=precision, clip=0.3 if bf16 else 0.0)
+    norms = got.pop("norms")
+    if bf16:
+        assert norms["engine"][1:] == pytest.approx(norms["reference"], rel=0.05)
     for name, r in got.items():
-        assert r["rel_err"] < (5e-3 if "sv_ratio" in r else 1e-4), (name, r)
+        if not bf16:
+            assert r["rel_err"] < (5e-3 if "sv_ratio" in r else 1e-4), (name, r)
+        elif any(k in name for k in FULL_RANK):
+            assert r["rel_err"] < 0.05, (name, r)
 
 
 @pytest.mark.slow
