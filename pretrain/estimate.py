@@ -46,16 +46,17 @@ of the weights for gathers and of distributed.grad_dtype for gradients (fp32 by 
 communication overlapped with compute (DeepSpeed's overlap_comm) a step takes about the longer of
 the two; where communication is longer, more GPUs stop paying.
 
-Muon (optimizer.name=muon; ZeRO-3, or stage 0 in fp32), from DeepSpeed 0.19.8's code and checked on 2
-CPU ranks (allocations and the bytes of every collective, tests/test_estimate.py): its matrices hold
-the fp32 master and one momentum in the gradients' reduction dtype instead of two Adam moments;
-reduce_scatter=false all-reduces (2x) the gradients of the parameters that fit a reduce bucket,
-larger ones are still reduce-scattered; once per step, after backward and not overlapped, the
-gradients and momenta of each bucket are all-gathered, each rank orthogonalises one matrix of
-each round of n (Newton-Schulz, 5 steps; FLOPs counted from DeepSpeed's iteration at the assumed
-MFU) and the round all-gathers n slots of its largest matrix for the updates and the momenta. A
-bucket of one matrix (the default D^2 bucket holds one or two) is orthogonalised by rank 0 alone
-and gathered as n copies: the step's traffic and its padded buffers grow with n (muon_step).
+Muon (optimizer.name=muon; ZeRO-3, or stage 0 in fp32), from DeepSpeed 0.19.8's code and checked on 1
+and 2 CPU ranks (allocations, the step's transient and the bytes of every collective,
+tests/test_estimate.py): its matrices hold the fp32 master and one momentum in the gradients'
+reduction dtype instead of two Adam moments; reduce_scatter=false all-reduces (2x) the gradients
+of the parameters that fit a reduce bucket, larger ones are still reduce-scattered; once per step,
+after backward and not overlapped, the gradients and momenta of each bucket are all-gathered,
+each rank orthogonalises one matrix of each round of n (Newton-Schulz, 5 steps; FLOPs counted
+from DeepSpeed's iteration, at the assumed MFU) and the round all-gathers n slots of its largest
+matrix for the updates and the momenta. A bucket of one matrix (the default D^2 bucket holds one
+or two) is orthogonalised by rank 0 alone and gathered as n copies: the step's traffic and its
+padded buffers grow with n (muon_step).
 
 Ulysses' all-to-alls, per GPU per layer per micro-batch: forward sends (N-1)/N of the rank's
 q, k, v (k and v r times) and of the attention output, T/N tokens each; backward sends their
@@ -218,7 +219,7 @@ MUON_CACHE_BYTES = 256 * 2**20  # DeepSpeed keeps its Muon all-gather buffers up
 
 def muon_step(args: ModelArgs, stage: int, world: int, bucket: int, c: int, method: str = "gram") -> dict:
     """Muon's optimizer step per GPU, from DeepSpeed 0.19.8's code (stage3.py:1697-1860), `c` the bytes
-    of its communication dtype (the gradients' reduction dtype), checked on 2 CPU ranks
+    of its communication dtype (the gradients' reduction dtype), checked on 1 and 2 CPU ranks
     (tests/test_estimate.py). At ZeRO-3, per bucket (muon_buckets): all-gather the full gradients
     and the momenta from their partitions; in rounds of `world` matrices, each rank
     orthogonalises one and the round all-gathers the updates and the momenta, padded to the
@@ -456,9 +457,9 @@ def _a2a_line(e: dict) -> str:
 def _muon_line(e: dict) -> str:
     m, a = e["muon"], e["assumptions"]
     return (f"Muon step (once per step, after backward, not overlapped): Newton-Schulz "
-            f"{m['ns_flops_per_gpu'] / 1e12:.3g} TFLOPs on the busiest GPU ({m['ns_flops_total'] / 1e12:.3g} over all), "
-            f"{m['ns_s']:.3g} s; "
-            f"{m['step_comm_gib_per_gpu']:.3g} GiB of gradients, momenta and updates all-gathered per GPU, "
+            f"{m['ns_flops_per_gpu'] / 1e12:.3g} TFLOPs on the busiest GPU "
+            f"({m['ns_flops_total'] / 1e12:.3g} over all), {m['ns_s']:.3g} s; {m['step_comm_gib_per_gpu']:.3g} GiB "
+            "of gradients, momenta and updates all-gathered per GPU, "
             f"{m['step_comm_s']:.3g} s at {a['gbps']:g} Gbit/s; {e['optimizer_step_s']:.3g} s = "
             f"{e['optimizer_step_s'] / e['step_s']:.0%} of the step. {m['params'] / 1e6:,.1f}M parameters on Muon"
             + (f"; reduce_scatter: false all-reduces the gradients of the {m['allreduced_params'] / 1e6:,.1f}M "

@@ -272,7 +272,7 @@ def test_muon_costs_follow_deepspeeds_step():
     alone = muon_step(square, 3, 7, 256**2, c)
     assert alone["flops"] == alone["flops_total"]
     assert alone["comm"] == pytest.approx((2 * 6 / 7 + 2 * 6) * M * c)
-    assert alone["transient"] > full["transient"] / 2  # 2 (n + 1) padded slots of a matrix
+    assert alone["transient"] > full["transient"]  # 2 (n + 1) padded slots of a matrix outweigh 7 of them
     assert muon_step(square, 3, 1, 256**2, c)["comm"] == muon_step(square, 0, 7, 256**2, c)["comm"] == 0
     assert muon_step(square, 0, 7, 256**2, c)["flops"] == alone["flops_total"]  # no ZeRO: every rank, every matrix
     # reduce_scatter=false: gradients that fit a bucket are all-reduced (2x), larger ones reduce-scattered.
@@ -356,13 +356,15 @@ engine = build_engine(build_model(cfg.model, cfg, ds, seed=0), cfg, ds, env.devi
 
 # Bytes out of each collective DeepSpeed runs (ZeRO-3's all-reduces of small buckets, reduce-scatters
 # of larger ones, Muon's all-gathers), by phase.
-sent, phase = {}, ["backward"]
+counted_bytes, phase, during = {}, ["backward"], [0]
 
 
 def counted(name, nbytes):
     def call(*args, **kwargs):
         key = (phase[0], name)
-        sent[key] = sent.get(key, 0) + nbytes(*args)
+        counted_bytes[key] = counted_bytes.get(key, 0) + nbytes(*args)
+        if key == ("last step", "all_gather") and not during[0] and args[0][0].numel() == 704 * 256:
+            during[0] = tensor_bytes()  # Muon's first round of one of its largest matrices (w1): its buffers
         return original(*args, **kwargs)
     original = getattr(dcomm, name)
     setattr(dcomm, name, call)
@@ -389,24 +391,27 @@ def tensor_bytes():
 
 alive = []
 tokens = torch.randint(0, 4096, (1, 64), generator=torch.Generator().manual_seed(0))
-for _ in range(2):  # two steps of one micro-batch: Muon's momentum and AdamW's moments exist after the first
+for i in range(2):  # two steps of one micro-batch: Muon's momentum and AdamW's moments exist after the first
     phase[0] = "backward"
     engine.backward(engine(tokens, tokens))
     alive.append(tensor_bytes())
-    phase[0] = "step"
+    phase[0] = "last step" if i else "step"
     engine.step()
     alive.append(tensor_bytes())
 args, sizes = cfg.model, zero_sizes(cfg)
 muon = muon_step(args, stage, n, sizes["reduce_bucket_size"], 4 if grad_dtype == "fp32" else 2) \
-    if optimizer == "muon" else {"params": 0, "cache": 0, "comm": 0}
+    if optimizer == "muon" else {"params": 0, "cache": 0, "comm": 0, "transient": 0}
 states = model_state_bytes(num_params(args), stage, n, "bf16", grad_dtype, largest_layer_params(args), muon["params"])
 states.pop("gathered", None)  # transient, inside backward
 adamw = dict(model_state_bytes(num_params(args), stage, n, "bf16", grad_dtype), gathered=0)
-sent = {f"{k[0]} {k[1]}": v / 2 for k, v in sent.items()}  # per step
+sent = {}
+for (when, name), v in counted_bytes.items():  # per step
+    sent[f"{when.split()[-1]} {name}"] = sent.get(f"{when.split()[-1]} {name}", 0) + v / 2
 if env.rank == 0:
     print("RESULT " + json.dumps({"measured": max(alive), "predicted": sum(states.values()) + muon["cache"],
                                   "adamw": sum(adamw.values()) + muon["cache"], "sent": sent, "muon_comm": muon["comm"],
-                                  "allreduced": allreduced_params(args, sizes["reduce_bucket_size"])}))
+                                  "allreduced": allreduced_params(args, sizes["reduce_bucket_size"]),
+                                  "during": during[0], "transient": muon["transient"]}))
 """
 
 
@@ -447,6 +452,11 @@ def test_muon_states_and_traffic_are_what_deepspeed_allocates_and_sends(nproc):
     r = census(nproc, 3, "fp32", "muon")
     assert r["measured"] == pytest.approx(r["predicted"], rel=0.02), r
     assert r["measured"] != pytest.approx(r["adamw"], rel=0.05), r
+    # At the second step's first round of a w1 (the largest matrix): the step's transient, less muon_update's
+    # temporaries but the update it returned (2 of the 3 matrices the estimate allows, 704 x 256).
+    # Measured: 92.60 MB against 92.32 at 1 rank, 54.30 against 53.76 at 2.
+    temporaries = 2 * 4 * 704 * 256
+    assert r["during"] == pytest.approx(r["predicted"] + r["transient"] - temporaries, rel=0.03), r
     if nproc == 2:
         n_total = 5_048_576
         assert r["sent"]["backward all_reduce"] == 4 * r["allreduced"]
