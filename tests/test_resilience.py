@@ -529,7 +529,9 @@ def test_sigusr1_during_startup_requeues_the_job(tmp_path, when):
                           capture_output=True, text=True, timeout=180)
     out = proc.stdout + proc.stderr
     assert proc.returncode == (75 if when == "before" else 1), out[-4000:]  # (torchrun exits 1)
-    assert when == "before" or out.count("exitcode  : 75") == 2, out[-4000:]
+    # (Rank 0's 75, at least: the ranks leave the requeue's barrier together, but torchrun SIGTERMs
+    # a rank still exiting once another has exited non-zero; under load rank 1 can be that rank.)
+    assert when == "before" or out.count("exitcode  : 75") >= 1, out[-4000:]
     assert "received SIGUSR1 during start-up" in proc.stdout
     assert calls.read_text().splitlines() == ["requeue 4242"]
     assert json.loads((tmp_path / "exit.json").read_text())["code"] == 75
