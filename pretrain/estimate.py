@@ -46,17 +46,15 @@ of the weights for gathers and of distributed.grad_dtype for gradients (fp32 by 
 communication overlapped with compute (DeepSpeed's overlap_comm) a step takes about the longer of
 the two; where communication is longer, more GPUs stop paying.
 
-Muon (optimizer.name=muon; ZeRO-3, or stage 0 in fp32), from DeepSpeed 0.19.8's code and checked on 1
-and 2 CPU ranks (allocations, the step's transient and the bytes of every collective,
-tests/test_estimate.py): its matrices hold the fp32 master and one momentum in the gradients'
-reduction dtype instead of two Adam moments; reduce_scatter=false all-reduces (2x) the gradients
-of the parameters that fit a reduce bucket, larger ones are still reduce-scattered; once per step,
-after backward and not overlapped, the gradients and momenta of each bucket are all-gathered,
-each rank orthogonalises one matrix of each round of n (Newton-Schulz, 5 steps; FLOPs counted
-from DeepSpeed's iteration, at the assumed MFU) and the round all-gathers n slots of its largest
-matrix for the updates and the momenta. A bucket of one matrix (the default D^2 bucket holds one
-or two) is orthogonalised by rank 0 alone and gathered as n copies: the step's traffic and its
-padded buffers grow with n (muon_step).
+Muon (optimizer.name=muon; ZeRO-3, or stage 0 in fp32), checked on 1 and 2 CPU ranks (allocations,
+the step's transient and the bytes of every collective, tests/test_estimate.py): its matrices hold
+the fp32 master and one momentum in the gradients' reduction dtype instead of two Adam moments;
+reduce_scatter=false (DeepSpeed's, under Muon) all-reduces (2x) the gradients of the parameters
+that fit a reduce bucket, larger ones are still reduce-scattered; once per step, after backward
+and not overlapped, our ZeRO-3 step (pretrain/muon.py) sends each matrix's gradient and momentum
+slices to its owner rank by an all-to-all, the owner orthogonalises it (Newton-Schulz, 5 steps;
+FLOPs counted from DeepSpeed's iteration, at the assumed MFU; owners balance them) and a second
+all-to-all returns the update and momentum slices: about 4 M c (n-1)/n^2 bytes per GPU (muon_step).
 
 Ulysses' all-to-alls, per GPU per layer per micro-batch: forward sends (N-1)/N of the rank's
 q, k, v (k and v r times) and of the attention output, T/N tokens each; backward sends their
@@ -179,20 +177,6 @@ def muon_matrices(args: ModelArgs) -> list[list[tuple[int, int]]]:
     return list(groups.values())
 
 
-def muon_buckets(args: ModelArgs, bucket: int) -> list[list[tuple[int, int]]]:
-    """DeepSpeed's Muon step at ZeRO-3 (stage3.py _apply_muon_to_accumulated_grads) takes each
-    group's matrices in buckets of up to reduce_bucket_size elements (a larger matrix alone)."""
-    out: list[list[tuple[int, int]]] = []
-    for group in muon_matrices(args):
-        first = len(out)
-        for m, k in group:
-            if len(out) > first and sum(a * b for a, b in out[-1]) + m * k <= bucket:
-                out[-1].append((m, k))
-            else:
-                out.append([(m, k)])
-    return out
-
-
 def newton_schulz_flops(m: int, k: int, method: str = "gram", steps: int = 5) -> int:
     """Matmul FLOPs of DeepSpeed's Newton-Schulz (original_muon.py) on an m x k matrix, transposed so
     that m <= k. standard: per step X X^T (2 m^2 k), A A (2 m^3), B X (2 m^2 k). gram (the default):
@@ -214,53 +198,46 @@ def newton_schulz_flops(m: int, k: int, method: str = "gram", steps: int = 5) ->
     return flops + 2 * m * m * k  # Q X
 
 
-MUON_CACHE_BYTES = 256 * 2**20  # DeepSpeed keeps its Muon all-gather buffers up to this (stage3.py:243)
-
-
 def muon_step(args: ModelArgs, stage: int, world: int, bucket: int, c: int, method: str = "gram") -> dict:
-    """Muon's optimizer step per GPU, from DeepSpeed 0.19.8's code (stage3.py:1697-1860), `c` the bytes
-    of its communication dtype (the gradients' reduction dtype), checked on 1 and 2 CPU ranks
-    (tests/test_estimate.py). At ZeRO-3, per bucket (muon_buckets): all-gather the full gradients
-    and the momenta from their partitions; in rounds of `world` matrices, each rank
-    orthogonalises one and the round all-gathers the updates and the momenta, padded to the
-    round's largest matrix times `world` unless the round is full and of one shape. So a bucket
-    of one matrix is orthogonalised by rank 0 alone and all-gathered as `world` copies of it:
-    - "flops": Newton-Schulz FLOPs on the critical path (each round waits for its largest
-      matrix), "flops_total" over all ranks;
-    - "comm": bytes through each GPU (ring: (n-1)/n of each all-gather's output);
-    - "cache": the all-gather buffers DeepSpeed keeps between steps (per bucket size, 1 + 1/n
-      of the bucket, up to 256 MiB in all);
-    - "transient": the largest bucket's gathered gradients and momenta and the momenta's copies,
-      (2 + 1/n) bucket, a round's padded buffers, 2 (n + 1) times its largest matrix when not
-      uniform, about 3 matrices of temporaries in muon_update, and the momentum partitions
-      parallelize.muon_at_zero3 copies (M / n); left out: muon_update's Newton-Schulz matrices
-      in half precision and the m x m Gram matrices.
-    At stage 0 (fp32, no ZeRO) every rank orthogonalises every matrix and gathers nothing."""
-    buckets = muon_buckets(args, bucket) if stage == 3 else [[s] for g in muon_matrices(args) for s in g]
-    flat = [s for b in buckets for s in b]
+    """Muon's optimizer step per GPU, `c` the bytes of its communication dtype (the gradients'
+    reduction dtype). At ZeRO-3 ours (pretrain/muon.py, replacing DeepSpeed's round robin per
+    bucket), checked on 1 and 2 CPU ranks (tests/test_estimate.py): every matrix has one owner
+    (muon.owners: largest Newton-Schulz work first onto the least loaded rank), which receives the
+    other ranks' partition slices of its gradient and momentum (ceil(numel / n) elements each) by an
+    all-to-all, orthogonalises it and sends the slices of the update and the momentum back; matrices
+    taken in batches of up to n x bucket elements (muon.batches):
+    - "flops": Newton-Schulz FLOPs of the busiest rank, "flops_total" over all ranks;
+    - "comm": bytes the busiest rank sends (as many as it receives): 2 c per slice, one slice per
+      matrix it does not own, n - 1 slices back per matrix it owns, about 4 M c (n-1)/n^2 in all;
+    - "transient": the largest batch's send and receive buffers, the full gradient, momentum and
+      padded copy of the largest matrix a rank owns there and about 3 matrices of temporaries in
+      muon_update, plus the momentum partitions parallelize.muon_at_zero3 copies (M / n); left
+      out: muon_update's Newton-Schulz matrices in half precision and the m x m Gram matrices.
+    At stage 0 (fp32, no ZeRO) every rank orthogonalises every matrix and sends nothing."""
+    from pretrain.muon import batches, owners
+
+    flat = [s for g in muon_matrices(args) for s in g]
     n_muon = sum(m * k for m, k in flat)
-    ns = {s: newton_schulz_flops(*s, method) for s in set(flat)}
-    out = {"params": n_muon, "flops_total": sum(ns[s] for s in flat), "flops": 0, "comm": 0.0, "cache": 0.0}
-    if stage != 3 or world == 1:
-        big = max(m * k for m, k in flat)
-        copies = max(sum(m * k for m, k in b) for b in buckets) + n_muon if stage == 3 else 0
-        return {**out, "flops": out["flops_total"], "transient": c * (3 * big + copies)}
-    n, transient, sizes = world, 0.0, set()
-    for b in buckets:
-        numel = sum(m * k for m, k in b)
-        sizes.add(numel)
-        out["comm"] += 2 * (n - 1) / n * numel * c  # the gradients' and the momenta's all-gathers
-        for r in range(0, len(b), n):
-            rnd = b[r:r + n]
-            largest = max(m * k for m, k in rnd)
-            out["flops"] += max(ns[s] for s in rnd)
-            out["comm"] += 2 * (n - 1) * largest * c  # updates and momenta, n slots of the largest
-            uniform = len(rnd) == n and len(set(rnd)) == 1
-            transient = max(transient, c * ((2 + 1 / n) * numel + (0 if uniform else 2 * (n + 1) * largest)
-                                             + 3 * largest))
-    out["cache"] = min(MUON_CACHE_BYTES, sum(x for x in ((1 + 1 / n) * s * c for s in sizes)
-                                             if x <= MUON_CACHE_BYTES))
-    return {**out, "transient": transient + c * n_muon / n}
+    costs = [newton_schulz_flops(m, k, method) for m, k in flat]
+    out = {"params": n_muon, "flops_total": sum(costs), "flops": 0, "comm": 0.0}
+    if stage != 3:
+        return {**out, "flops": out["flops_total"], "transient": c * 3 * max(m * k for m, k in flat)}
+    n, numels = world, [m * k for m, k in flat]
+    parts = [-(-x // n) for x in numels]
+    owner = owners(costs, n)
+    load, sent, transient = [0] * n, [0] * n, 0.0
+    for j, r in enumerate(owner):
+        load[r] += costs[j]
+        for q in range(n):
+            sent[q] += 2 * parts[j] * c * ((n - 1) if q == r else 1) if n > 1 else 0
+    for batch in batches(sorted(range(len(flat)), key=lambda j: (-costs[j], j)), numels, n * bucket):
+        send = 2 * sum(parts[j] for j in batch)
+        for r in range(n):
+            own = [j for j in batch if owner[j] == r]
+            if own:
+                big = max(numels[j] for j in own)
+                transient = max(transient, c * (send + 2 * n * sum(parts[j] for j in own) + 5 * big + n * -(-big // n)))
+    return {**out, "flops": max(load), "comm": float(max(sent)), "transient": transient + c * n_muon / n}
 
 
 def allreduced_params(args: ModelArgs, bucket: int) -> int:
@@ -347,8 +324,6 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         if stage > 0:
             buffers += (d.reduce_bucket_size or args.dim**2) * 4 + (
                 (d.prefetch_bucket_size or int(0.9 * args.dim**2)) * p if stage == 3 else 0)
-        if muon:
-            buffers += opt["cache"]
         memory = {**states, "activations": acts["saved"] + acts["peak_extra"], "buffers": buffers}
         if muon:
             memory["optimizer_step"] = opt["transient"]
@@ -459,7 +434,7 @@ def _muon_line(e: dict) -> str:
     return (f"Muon step (once per step, after backward, not overlapped): Newton-Schulz "
             f"{m['ns_flops_per_gpu'] / 1e12:.3g} TFLOPs on the busiest GPU "
             f"({m['ns_flops_total'] / 1e12:.3g} over all), {m['ns_s']:.3g} s; {m['step_comm_gib_per_gpu']:.3g} GiB "
-            "of gradients, momenta and updates all-gathered per GPU, "
+            "of gradient, momentum and update slices sent per GPU (all-to-all), "
             f"{m['step_comm_s']:.3g} s at {a['gbps']:g} Gbit/s; {e['optimizer_step_s']:.3g} s = "
             f"{e['optimizer_step_s'] / e['step_s']:.0%} of the step. {m['params'] / 1e6:,.1f}M parameters on Muon"
             + (f"; reduce_scatter: false all-reduces the gradients of the {m['allreduced_params'] / 1e6:,.1f}M "

@@ -91,11 +91,23 @@ def muon_at_zero3(zero, clip: float) -> None:
     - A dropped update leaves the momentum as it was. DeepSpeed folds the gradient into Muon's
       momentum before the inner step, which is all the trainer's guard can drop; the momentum
       partitions are copied before and put back when no inner step ran (4 bytes per Muon
-      parameter / world size, for the step)."""
+      parameter / world size, for the step).
+
+    And the orthogonalisation itself is ours (pretrain/muon.py zero3_step): each Muon matrix has one
+    owner rank, which gathers its gradient and momentum by an all-to-all, runs DeepSpeed's
+    muon_update and sends the slices back, in place of DeepSpeed's round robin per bucket."""
     from deepspeed.runtime.utils import combine_grad_norm_groups
 
-    apply, norm_groups, post_step, inner = (zero._apply_muon_to_accumulated_grads, zero._get_norm_groups,
-                                            zero._post_step, zero.optimizer)
+    from pretrain.muon import zero3_step
+
+    norm_groups, post_step, inner = zero._get_norm_groups, zero._post_step, zero.optimizer
+    plan: dict = {}  # owners and batches, kept between steps
+
+    def apply():  # ours, not DeepSpeed's (its round robin per bucket leaves Newton-Schulz to rank 0: pretrain/muon.py)
+        if zero.offload_optimizer or zero.save_muon_momentum_buffer_in_memory or any(
+                zero._swappable_optimizer_subgroup(i) for i, m in enumerate(zero.sub_groups_using_muon) if m):
+            raise ValueError("Muon's ZeRO-3 step (pretrain/muon.py) keeps its momentum on the device: no offload")
+        zero3_step(zero, plan)
     inner_step = inner.step
     raw, saved, ran = [], {}, [False]
 

@@ -14,7 +14,7 @@ from helpers import REPO, TINY, free_port, train_env
 from pretrain.cli import main
 from pretrain.config import load_config
 from pretrain.estimate import (Assumptions, activation_bytes, allreduced_params, comm_bytes, estimate, fit_hint,
-                               largest_layer_params, model_state_bytes, muon_buckets, muon_step, newton_schulz_flops,
+                               largest_layer_params, model_state_bytes, muon_matrices, muon_step, newton_schulz_flops,
                                report, sequence_exchange_bytes)
 from pretrain.model.args import PRESETS, ModelArgs
 from pretrain.model.model import Transformer, num_params
@@ -250,10 +250,12 @@ def test_newton_schulz_flops_are_deepspeeds():
     assert newton_schulz_flops(64, 320, "standard") == 5 * (4 * 64**2 * 320 + 2 * 64**3)
 
 
-def test_muon_costs_follow_deepspeeds_step():
-    """Muon's state, traffic and Newton-Schulz work by the rule of DeepSpeed's ZeRO-3 step (measured on
-    2 ranks in test_muon_states_and_traffic_are_what_deepspeed_allocates_and_sends): one momentum
-    instead of two Adam moments; rounds of n matrices, one per rank, all-gathered as n slots."""
+def test_muon_costs_follow_our_zero3_step():
+    """Muon's state, traffic and Newton-Schulz work by the rule of our ZeRO-3 step (pretrain/muon.py;
+    measured on 2 ranks in test_muon_states_and_traffic_are_what_deepspeed_allocates_and_sends and
+    tests/test_muon.py test_muon_step_spreads_newton_schulz_and_sends_its_share): one momentum
+    instead of two Adam moments; each matrix orthogonalised by one owner, its slices sent there and
+    back by all-to-all."""
     n = 1_000_000
     assert model_state_bytes(n, 3, 8, "bf16", muon=600_000)["optimizer"] == (12 * n - 4 * 600_000) / 8
     assert model_state_bytes(n, 3, 8, "bf16", "bf16", muon=600_000)["optimizer"] == (12 * n - 6 * 600_000) / 8
@@ -261,20 +263,26 @@ def test_muon_costs_follow_deepspeeds_step():
     # 4 blocks of seven 256 x 256 matrices (MHA, hidden 256): one group, 28 equal matrices.
     square = ModelArgs(dim=256, n_layers=4, n_heads=4, ffn_hidden_dim=256, vocab_size=512)
     M, c = 28 * 256**2, 4
-    # Buckets of 7 matrices over 7 ranks: full rounds of one shape, each rank orthogonalises 4 matrices.
-    full = muon_step(square, 3, 7, 7 * 256**2, c)
-    assert [len(b) for b in muon_buckets(square, 7 * 256**2)] == [7] * 4
-    assert full["params"] == M and full["flops_total"] == 28 * newton_schulz_flops(256, 256)
-    assert full["flops"] == full["flops_total"] / 7
-    assert full["comm"] == pytest.approx(4 * 6 / 7 * M * c)  # gradients, momenta; updates, momenta
-    # The default bucket (D^2): one matrix per bucket, so rank 0 orthogonalises all of them and each
-    # round all-gathers n slots of one matrix: (2 (n-1)/n + 2 (n-1)) M c.
-    alone = muon_step(square, 3, 7, 256**2, c)
-    assert alone["flops"] == alone["flops_total"]
-    assert alone["comm"] == pytest.approx((2 * 6 / 7 + 2 * 6) * M * c)
-    assert alone["transient"] > full["transient"]  # 2 (n + 1) padded slots of a matrix outweigh 7 of them
+    # 7 ranks: 4 matrices each, whatever the bucket; each rank sends 2 c per slice, a slice of each
+    # of the 24 matrices it does not own and 6 of each of its 4: 4 M c (n-1)/n^2, slices padded to
+    # ceil(256^2 / 7) elements.
+    for bucket in (256**2, 7 * 256**2):
+        step = muon_step(square, 3, 7, bucket, c)
+        assert step["params"] == M and step["flops_total"] == 28 * newton_schulz_flops(256, 256)
+        assert step["flops"] == step["flops_total"] / 7
+        assert step["comm"] == 2 * c * -(-256**2 // 7) * (24 + 4 * 6) == pytest.approx(4 * M * c * 6 / 49, rel=1e-4)
+    # 8 ranks: 28 = 4 x 4 + 4 x 3; the busiest owns 4 matrices: (24 + 4 x 7) slices of 256^2 / 8.
+    eight = muon_step(square, 3, 8, 256**2, c)
+    assert eight["flops"] == 4 * newton_schulz_flops(256, 256)
+    assert eight["comm"] == 2 * c * 256**2 / 8 * (24 + 4 * 7)
+    # Unequal matrices: the owners balance Newton-Schulz work, largest first (GQA, hidden 704).
+    gqa = ModelArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512)
+    step = muon_step(gqa, 3, 2, 256**2, c)
+    largest = max(newton_schulz_flops(m, k) for g in muon_matrices(gqa) for m, k in g)
+    assert step["flops_total"] / 2 <= step["flops"] <= step["flops_total"] / 2 + largest
+    assert step["comm"] == pytest.approx(4 * step["params"] * c / 4, rel=0.1)
     assert muon_step(square, 3, 1, 256**2, c)["comm"] == muon_step(square, 0, 7, 256**2, c)["comm"] == 0
-    assert muon_step(square, 0, 7, 256**2, c)["flops"] == alone["flops_total"]  # no ZeRO: every rank, every matrix
+    assert muon_step(square, 0, 7, 256**2, c)["flops"] == eight["flops_total"]  # no ZeRO: every rank, every matrix
     # reduce_scatter=false: gradients that fit a bucket are all-reduced (2x), larger ones reduce-scattered.
     assert allreduced_params(square, 256**2) == num_params(square) - 2 * 512 * 256
     # The whole estimate: same gathers, the all-reduced gradients once more per micro-batch, the
@@ -356,15 +364,17 @@ engine = build_engine(build_model(cfg.model, cfg, ds, seed=0), cfg, ds, env.devi
 
 # Bytes out of each collective DeepSpeed runs (ZeRO-3's all-reduces of small buckets, reduce-scatters
 # of larger ones, Muon's all-gathers), by phase.
-counted_bytes, phase, during = {}, ["backward"], [0]
+counted_bytes, phase, during, a2a = {}, ["backward"], [0], [0]
 
 
 def counted(name, nbytes):
     def call(*args, **kwargs):
         key = (phase[0], name)
         counted_bytes[key] = counted_bytes.get(key, 0) + nbytes(*args)
-        if key == ("last step", "all_gather") and not during[0] and args[0][0].numel() == 704 * 256:
-            during[0] = tensor_bytes()  # Muon's first round of one of its largest matrices (w1): its buffers
+        if key == ("last step", "all_to_all_single"):
+            a2a[0] += 1
+            if a2a[0] == 2:  # Muon's first all-to-all back (a w1's, the largest matrix, owned by rank 0)
+                during[0] = tensor_bytes()
         return original(*args, **kwargs)
     original = getattr(dcomm, name)
     setattr(dcomm, name, call)
@@ -375,6 +385,8 @@ counted("all_reduce", lambda t, *a: size(t))
 counted("reduce_scatter_fn", lambda out, inp, *a: size(inp))
 counted("all_gather_into_tensor", lambda out, inp, *a: size(out))
 counted("all_gather", lambda outs, inp, *a: sum(size(o) for o in outs))
+counted("all_to_all_single", lambda out, inp, outs, ins, group=None, *a: (sum(ins) - ins[dcomm.get_rank(group)])
+        * inp.element_size())  # (sent to the other ranks)
 
 
 def tensor_bytes():
@@ -400,7 +412,7 @@ for i in range(2):  # two steps of one micro-batch: Muon's momentum and AdamW's 
     alive.append(tensor_bytes())
 args, sizes = cfg.model, zero_sizes(cfg)
 muon = muon_step(args, stage, n, sizes["reduce_bucket_size"], 4 if grad_dtype == "fp32" else 2) \
-    if optimizer == "muon" else {"params": 0, "cache": 0, "comm": 0, "transient": 0}
+    if optimizer == "muon" else {"params": 0, "comm": 0, "transient": 0}
 states = model_state_bytes(num_params(args), stage, n, "bf16", grad_dtype, largest_layer_params(args), muon["params"])
 states.pop("gathered", None)  # transient, inside backward
 adamw = dict(model_state_bytes(num_params(args), stage, n, "bf16", grad_dtype), gathered=0)
@@ -408,8 +420,8 @@ sent = {}
 for (when, name), v in counted_bytes.items():  # per step
     sent[f"{when.split()[-1]} {name}"] = sent.get(f"{when.split()[-1]} {name}", 0) + v / 2
 if env.rank == 0:
-    print("RESULT " + json.dumps({"measured": max(alive), "predicted": sum(states.values()) + muon["cache"],
-                                  "adamw": sum(adamw.values()) + muon["cache"], "sent": sent, "muon_comm": muon["comm"],
+    print("RESULT " + json.dumps({"measured": max(alive), "predicted": sum(states.values()),
+                                  "adamw": sum(adamw.values()), "sent": sent, "muon_comm": muon["comm"],
                                   "allreduced": allreduced_params(args, sizes["reduce_bucket_size"]),
                                   "during": during[0], "transient": muon["transient"]}))
 """
@@ -444,26 +456,26 @@ def test_model_states_are_what_deepspeed_allocates(stage, grad_dtype):
 def test_muon_states_and_traffic_are_what_deepspeed_allocates_and_sends(nproc):
     """optimizer.name=muon, ZeRO-3, bf16 with fp32 gradients, the model above (2.9M of its 5.0M
     parameters on Muon): the tensors alive after each step against the model states with one fp32
-    momentum instead of two Adam moments plus DeepSpeed's cached all-gather buffers (AdamW's 12
-    bytes for every parameter would be 10-15% off); and the bytes of each collective: per
-    micro-batch, gradients that fit the reduce bucket (D^2) all-reduced and larger ones
-    reduce-scattered; per step, Muon's all-gathers of gradients and momenta, then of updates and
-    momenta, padded to `n` slots per round (the estimate's per-GPU ring bytes are (n-1)/n of these)."""
+    momentum instead of two Adam moments (AdamW's 12 bytes for every parameter would be 10-15% off);
+    and the bytes of each collective: per micro-batch, gradients that fit the reduce bucket (D^2)
+    all-reduced and larger ones reduce-scattered; per step, our Muon step's all-to-alls (pretrain/muon.py:
+    gradient and momentum slices to each matrix's owner, update and momentum slices back)."""
     r = census(nproc, 3, "fp32", "muon")
     assert r["measured"] == pytest.approx(r["predicted"], rel=0.02), r
     assert r["measured"] != pytest.approx(r["adamw"], rel=0.05), r
-    # At the second step's first round of a w1 (the largest matrix): the step's transient, less muon_update's
-    # temporaries but the update it returned (2 of the 3 matrices the estimate allows, 704 x 256).
-    # Measured: 92.60 MB against 92.32 at 1 rank, 54.30 against 53.76 at 2.
+    # At the last step's first all-to-all back (a w1's, 704 x 256, the largest, owned by rank 0): the
+    # step's transient, less muon_update's temporaries (2 of the 5 matrices the estimate allows).
     temporaries = 2 * 4 * 704 * 256
     assert r["during"] == pytest.approx(r["predicted"] + r["transient"] - temporaries, rel=0.03), r
+    assert "step all_gather" not in r["sent"]  # (DeepSpeed's Muon step does not run)
     if nproc == 2:
         n_total = 5_048_576
         assert r["sent"]["backward all_reduce"] == 4 * r["allreduced"]
         assert r["sent"]["backward reduce_scatter_fn"] == 4 * (n_total - r["allreduced"])
         persistent = 9 * 256 * 2  # the norms (below the persistence threshold), gathered whole after the step
-        gathered = r["sent"]["step all_gather_into_tensor"] - persistent + r["sent"]["step all_gather"]
-        assert gathered * (nproc - 1) / nproc == pytest.approx(r["muon_comm"], rel=1e-3), r
+        assert r["sent"]["step all_gather_into_tensor"] == persistent
+        # Rank 0's all-to-all bytes to rank 1: the estimate's busiest rank (both own half the work).
+        assert r["sent"]["step all_to_all_single"] == pytest.approx(r["muon_comm"], rel=0.05), r
 
 
 def test_estimate_report_and_json(tmp_path, capsys):

@@ -185,6 +185,92 @@ def test_muon_steps_as_torch_muon_does(stage, nproc, clip, accum):
             assert r["sv_ratio"] < 3.0, (name, r)
 
 
+SPREAD = r"""
+import json, sys
+import deepspeed.comm as dcomm
+import torch
+from deepspeed.runtime.zero.muon import original_muon
+from pretrain import distributed
+env = distributed.init("gloo")
+from pretrain.config import load_config
+from pretrain.estimate import muon_step
+from pretrain.muon import matrix_flops
+from pretrain.parallelize import build_engine, build_model, deepspeed_config, zero_sizes
+
+cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [
+    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
+    "model.max_seq_len=32", "data.seq_len=32", "train.micro_batch_size=2", "train.precision=fp32",
+    "distributed.zero_stage=3", "distributed.param_persistence_threshold=0", "optimizer.name=muon",
+    f"train.global_batch_size={2 * env.world_size}"])
+ds = deepspeed_config(cfg, env.world_size, "fp32")
+engine = build_engine(build_model(cfg.model, cfg, ds, seed=0), cfg, ds, env.device)
+shapes, sent, gathers = [], [0], [0]
+update, a2a, gather = original_muon.muon_update, dcomm.all_to_all_single, dcomm.all_gather
+
+
+def counted_update(grad, *args, **kwargs):
+    shapes.append(list(grad.shape))
+    return update(grad, *args, **kwargs)
+
+
+def counted_a2a(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
+    me = dcomm.get_rank(group)  # what this rank sends to the others
+    sent[0] += (sum(input_split_sizes) - input_split_sizes[me]) * tensor.element_size()
+    return a2a(output, tensor, output_split_sizes, input_split_sizes, group=group, **kwargs)
+
+
+def counted_gather(*args, **kwargs):  # DeepSpeed's own Muon step all-gathers; ours should not run it
+    gathers[0] += 1
+    return gather(*args, **kwargs)
+
+
+original_muon.muon_update, dcomm.all_to_all_single, dcomm.all_gather = counted_update, counted_a2a, counted_gather
+tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(env.rank))
+for _ in range(2):
+    engine.backward(engine(tokens[:, :-1], labels=tokens[:, 1:]))
+    engine.step()
+with open(f"{sys.argv[1]}/rank{env.rank}.json", "w") as f:
+    json.dump({"rank": env.rank, "shapes": shapes, "sent": sent[0] / 2, "gathers": gathers[0],
+                              "flops": sum(matrix_flops(s) for s in shapes) / 2,
+                              "estimate": muon_step(cfg.model, 3, env.world_size, zero_sizes(cfg)["reduce_bucket_size"], 4)}, f)
+"""
+
+
+@pytest.mark.slow
+def test_muon_step_spreads_newton_schulz_and_sends_its_share(tmp_path):
+    """Our ZeRO-3 Muon step (pretrain/muon.py) on 2 ranks, two steps: every Muon matrix is
+    orthogonalised once per step, by one rank; the ranks' Newton-Schulz FLOPs differ by less than one
+    matrix's (DeepSpeed's round robin per bucket gave rank 0 24 of 28 matrices on the estimate's
+    model); each rank sends by all-to-all exactly what pretrain estimate's muon_step says for the
+    busiest rank (2 c per partition slice: the gradient and momentum slices of the matrices it does
+    not own, n - 1 slices of the update and momentum back per matrix it owns), about 4 M c (n-1)/n^2;
+    and DeepSpeed's own step (its all-gathers) does not run."""
+    path = REPO / ".pytest_muon_spread.py"
+    path.write_text(f"from pathlib import Path\nREPO = Path({str(REPO)!r})\n" + SPREAD)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--master_port", str(free_port()), str(path), str(tmp_path)],
+                              cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
+    finally:
+        path.unlink(missing_ok=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    from pretrain.muon import matrix_flops
+
+    est = runs[0]["estimate"]
+    n_matrices = 7 * 2
+    assert sum(len(r["shapes"]) for r in runs) == 2 * n_matrices  # each matrix once per step, on one rank
+    assert sum(r["flops"] for r in runs) == est["flops_total"]
+    largest = max(matrix_flops(s) for r in runs for s in r["shapes"])
+    assert abs(runs[0]["flops"] - runs[1]["flops"]) <= largest
+    assert max(r["flops"] for r in runs) == est["flops"]
+    assert max(r["sent"] for r in runs) == est["comm"]
+    M, c, n = est["params"], 4, 2
+    for r in runs:
+        assert r["gathers"] == 0
+        assert r["sent"] == pytest.approx(4 * M * c * (n - 1) / n**2, rel=0.15)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [3, 0])
 def test_muon_is_active_on_the_users_path(stage):
