@@ -44,7 +44,7 @@ class OptimizerConfig:
     muon_nesterov: bool = True  # Muon orthogonalises the Nesterov blend of gradient and momentum
     muon_ns_steps: int = 5  # Newton-Schulz iterations per orthogonalisation
     muon_ns_method: str = "gram"  # gram (DeepSpeed's default: fp16 on GPU, fp32 on CPU) | standard (torch.optim.Muon's iteration, bf16)
-    muon_lr_rule: str = "match_adamw"  # match_adamw: update RMS of AdamW's (0.2 sqrt(max(fan_out, fan_in))), so optimizer.lr and weight_decay carry over
+    muon_lr_rule: str = "match_adamw"  # match_adamw: update RMS of AdamW's (0.2 sqrt(max(fan_out, fan_in))), so optimizer.lr and weight_decay carry over; under mup/completep that at the base shape, then spectral muP (pretrain/optim.py muon_lr_scale)
 
 
 @dataclass
@@ -341,9 +341,6 @@ def muon_problems(cfg: "Config") -> list[str]:
         out.append(f"optimizer.name=muon with distributed.zero_stage={d.zero_stage}, train.precision={precision}, "
                    f"offload_optimizer={d.offload_optimizer}: Muon runs at distributed.zero_stage=3 without "
                    "offload, or at 0 in fp32, for now")
-    if cfg.model.parametrization != "sp":
-        out.append(f"optimizer.name=muon with model.parametrization={cfg.model.parametrization}: Muon's muP rates "
-                   "are not derived yet; use model.parametrization=sp")
     return out
 
 
