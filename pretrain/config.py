@@ -44,7 +44,8 @@ class OptimizerConfig:
     muon_nesterov: bool = True  # Muon orthogonalises the Nesterov blend of gradient and momentum
     muon_ns_steps: int = 5  # Newton-Schulz iterations per orthogonalisation
     muon_ns_method: str = "gram"  # gram (DeepSpeed's default: fp16 on GPU, fp32 on CPU) | standard (torch.optim.Muon's iteration, bf16)
-    muon_lr_rule: str = "match_adamw"  # match_adamw: update RMS of AdamW's (0.2 sqrt(max(fan_out, fan_in))), so optimizer.lr and weight_decay carry over; under mup/completep that at the base shape, then spectral muP (pretrain/optim.py muon_lr_scale)
+    muon_lr_rule: str = "match_adamw"  # match_adamw: update RMS of AdamW's (0.2 sqrt(max(fan_out, fan_in))), so optimizer.lr and weight_decay carry over
+    # (under mup/completep: that rule at the base shape, then spectral muP across width; optim.muon_lr_scale)
 
 
 @dataclass
