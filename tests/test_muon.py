@@ -5,7 +5,8 @@ dropped updates, checkpoints.
 
 ZeRO-1/2, bf16 at stage 0 and offload are refused for now (DeepSpeed clips the Muon updates there
 and commits the momentum of a dropped step; docs/optimizers.md). Not yet covered: seq_len >= 1024
-against a reference, compile, gradient accumulation, muP."""
+against a reference, compile, gradient accumulation. muP's rates are here, its coordinate check with
+Muon in test_mup.py."""
 
 import json
 import math

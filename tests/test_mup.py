@@ -1,8 +1,8 @@
 """muP / CompleteP through the real commands: the groups' rates on the user's path (bf16, ZeRO-3,
 activation checkpointing, 2 ranks, 1024 tokens) and after a resume at another world size, a resume
 with another parametrization refused, the export against transformers and `pretrain eval`, the
-coordinate check (`pretrain mup check`) with its negative controls, and the planner's use of it
-(`scaling lr-sweep`, `scaling plan --parametrization`)."""
+coordinate check (`pretrain mup check`) with its negative controls, with AdamW and with Muon, and
+the planner's use of it (`scaling lr-sweep`, `scaling plan --parametrization`)."""
 
 import json
 import subprocess
