@@ -45,6 +45,7 @@ class OptimizerConfig:
     muon_ns_steps: int = 5  # Newton-Schulz iterations per orthogonalisation
     muon_ns_method: str = "gram"  # gram (DeepSpeed's default: fp16 on GPU, fp32 on CPU) | standard (torch.optim.Muon's iteration, bf16)
     muon_lr_rule: str = "match_adamw"  # match_adamw: update RMS of AdamW's (0.2 sqrt(max(fan_out, fan_in))), so optimizer.lr and weight_decay carry over
+    # (under mup/completep: that rule at the base shape, then spectral muP across width; optim.muon_lr_scale)
 
 
 @dataclass
@@ -338,9 +339,6 @@ def muon_problems(cfg: "Config") -> list[str]:
         # _apply_muon_updates_cpu_offload) and clips the updates; not corrected (docs/optimizers.md).
         out.append("optimizer.name=muon with distributed.offload_optimizer=true: DeepSpeed's offload path clips the "
                    "Muon update instead of the gradient; turn offload off")
-    if cfg.model.parametrization != "sp":
-        out.append(f"optimizer.name=muon with model.parametrization={cfg.model.parametrization}: Muon's muP rates "
-                   "are not derived yet; use model.parametrization=sp")
     return out
 
 

@@ -97,24 +97,53 @@ def set_lr(optimizer, lr: float) -> None:
 MUON_ROLES = ("hidden", "ffn_out")  # the 2-D hidden matrices: wq wk wv wo w1 w3, and w2
 
 
-def muon_lr_scale(shape) -> float:
-    """Muon's rate for a (fan_out, fan_in) matrix relative to optimizer.lr, under the match_adamw rule.
+def muon_lr_scale(shape, base_shape=None) -> float:
+    """Muon's rate for a (fan_out, fan_in) matrix relative to optimizer.lr (the match_adamw rule).
 
-    Moonshot's rule (torch.optim.Muon's adjust_lr_fn="match_rms_adamw") steps the orthogonalised
-    update O by lr x 0.2 sqrt(max(fan_out, fan_in)), which gives it the RMS of a typical AdamW update
-    (about 0.2), so AdamW's rate and decay carry over. DeepSpeed's muon_update already scales O by
-    sqrt(max(1, fan_out / fan_in)) (Keller Jordan's original rule), so the group's rate carries the
-    ratio of the two, 0.2 sqrt(max(fan_out, fan_in)) / sqrt(max(1, fan_out / fan_in)), which is
-    0.2 sqrt(fan_in) for either aspect (written so, matrices of one fan-in share a group exactly)."""
-    return 0.2 * math.sqrt(shape[1])
+    sp (no base_shape): Moonshot's rule (torch.optim.Muon's adjust_lr_fn="match_rms_adamw") steps
+    the orthogonalised update O by lr x 0.2 sqrt(max(fan_out, fan_in)), which gives it the RMS of a
+    typical AdamW update (about 0.2), so AdamW's rate and decay carry over. DeepSpeed's muon_update
+    already scales O by sqrt(max(1, fan_out / fan_in)) (Keller Jordan's original rule), so the
+    group's rate carries the ratio of the two: 0.2 sqrt(fan_in) for either aspect.
+
+    mup/completep (base_shape: the matrix's shape in the base model): Moonshot's rule at the base
+    shape, then the spectral condition (Yang, Simon, Bernstein 2023) across width: O has spectral
+    norm ~1 at any width, and a hidden matrix's update must have spectral norm ~ sqrt(fan_out /
+    fan_in) for its features to move by O(1), so the step is
+    lr x 0.2 sqrt(max(base)) x sqrt(aspect / base aspect): width-independent where the aspect is
+    (every matrix of a family grown at fixed ratios), never the 0.2 sqrt(fan_in) of sp, which grows
+    as sqrt(m). Less DeepSpeed's factor, the rate is 0.2 sqrt(base fan_in x min(1, aspect) /
+    min(1, base aspect)): the tall w1, w3 take their change of aspect (r/m under `multiple_of`
+    rounding) from DeepSpeed's factor, the wide w2 from the last factor, sqrt(m/r). The update is
+    scale-free, so the 1/m_L that CompleteP puts on each branch's gradient does not reach it: no
+    depth factor, as AdamW's rates under CompleteP (alpha = 1) have none. At the base shape the rule
+    is sp's, so one base rate serves both."""
+    fan_out, fan_in = shape
+    base_out, base_in = base_shape or shape
+    return 0.2 * math.sqrt(base_in * min(1, fan_out / fan_in) / min(1, base_out / base_in))
+
+
+def base_shape(name: str, shape, args: ModelArgs):
+    """A hidden matrix's shape in the mup/completep base model (None under sp): each side divided
+    by its width multiplier, r for the SwiGLU width (w1, w3 out, w2 in), m for the rest."""
+    if args.parametrization == "sp":
+        return None
+    m, r = args.width_mult, args.ffn_width_mult
+    if ".feed_forward.w2." in name:
+        return shape[0] / m, shape[1] / r
+    if ".feed_forward.w1." in name or ".feed_forward.w3." in name:
+        return shape[0] / r, shape[1] / m
+    return shape[0] / m, shape[1] / m
 
 
 def muon_param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> list[dict]:
     """AdamW's groups (param_groups) with the hidden roles' matrices moved to Muon groups, one per
-    rate (fan-in); every group is tagged `use_muon`, and so is every parameter, which is how ZeRO
-    finds the matrices it must orthogonalise (by role, not by DeepSpeed's own name rule, which
-    would hand our untied `output` head to Muon). The decay is divided by the rate's scale so that
-    each step decays by optimizer.lr x weight_decay, as torch.optim.Muon and Moonshot do."""
+    rate (muon_lr_scale: by fan-in under sp, by the base's under mup/completep); every group is
+    tagged `use_muon`, and so is every parameter, which is how ZeRO finds the matrices it must
+    orthogonalise (by role, not by DeepSpeed's own name rule, which would hand our untied `output`
+    head to Muon). The decay is divided by the rate's scale so that each step decays by
+    optimizer.lr x weight_decay (AdamW's product, held under muP too), as torch.optim.Muon and
+    Moonshot do."""
     names = {p: n for n, p in model.named_parameters()}
     groups = []
     muon: dict[float, dict] = {}
@@ -126,7 +155,7 @@ def muon_param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> list[dict
             if not p.use_muon:
                 rest.append(p)
                 continue
-            scale = g["lr_scale"] * muon_lr_scale(shape)
+            scale = muon_lr_scale(shape, base_shape(names[p], shape, model.args))
             if scale not in muon:
                 muon[scale] = {"params": [], "use_muon": True, "lr_scale": scale, "lr": cfg.lr * scale,
                                "weight_decay": g["weight_decay"] * g["lr_scale"] / scale,

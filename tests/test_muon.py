@@ -5,8 +5,8 @@ show Muon is active, on the user's path too (bf16, ZeRO-3, activation checkpoint
 tokens); checkpoints resume bitwise and refuse what they cannot; `pretrain train` on the user's path
 with compile, WSD-S, spikes and a rollback.
 
-ZeRO-1/2, bf16 at stage 0 and offload are refused (DeepSpeed clips the Muon updates there and
-commits the momentum of a dropped step; docs/optimizers.md)."""
+Offload is refused (DeepSpeed clips the Muon updates there). muP's rates are here, its coordinate
+check with Muon in test_mup.py."""
 
 import json
 import math
@@ -357,12 +357,50 @@ def test_rate_rule_matches_torch_match_rms_adamw(shape):
     assert muon_lr_scale(shape) * ds == pytest.approx(_adjust_lr(1.0, "match_rms_adamw", torch.Size(shape)))
 
 
+@pytest.mark.parametrize("parametrization", ["mup", "completep"])
+def test_muon_rates_under_mup_follow_the_spectral_condition(parametrization):
+    """Under mup/completep each Muon step (group rate x DeepSpeed's sqrt(max(1, fan_out/fan_in)))
+    is the base model's match_adamw step times sqrt(aspect / base aspect): constant across width
+    and depth where the aspect is (wq wk wv wo), following it where `multiple_of` rounding moves it
+    (w1 w3 tall, w2 wide: SwiGLU 1408 / dim 512 against 192 / 64). At the base width the groups are
+    sp's, and lr x weight_decay is AdamW's everywhere. (The coordinate check is in test_mup.py.)"""
+    from pretrain.config import load_config
+    from pretrain.model.model import Transformer
+    from pretrain.optim import muon_param_groups
+
+    def steps(*over):
+        cfg = load_config(str(REPO / "configs" / "tiny.yaml"), ["optimizer.name=muon", "model.vocab_size=256", *over])
+        model = Transformer(cfg.model)
+        out = {}
+        for g in muon_param_groups(model, cfg.optimizer):
+            for p in g["params"]:
+                if g["use_muon"]:
+                    assert g["lr_scale"] * g["weight_decay"] == pytest.approx(cfg.optimizer.weight_decay)
+                    n = next(n for n, q in model.named_parameters() if q is p).split(".", 2)[-1]
+                    fo, fi = p.shape
+                    out[n] = (g["lr_scale"], g["lr_scale"] * math.sqrt(max(1, fo / fi)), fo / fi)
+        return out
+
+    muP = [f"model.parametrization={parametrization}", "model.mup_base_dim=64", "model.mup_base_head_dim=32",
+           "model.mup_base_layers=2"]
+    small = ["model.dim=64", "model.n_heads=2", "model.n_kv_heads=1", "model.n_layers=2"]
+    base, sp = steps(*muP, *small), steps(*small)
+    assert base == sp  # the base model is sp's, rates included
+    assert base["feed_forward.w2.weight"][0] == pytest.approx(0.2 * math.sqrt(192))
+    wide = steps(*muP, "model.dim=512", "model.n_heads=16", "model.n_kv_heads=8", "model.n_layers=8")
+    assert wide.keys() == base.keys()
+    for n, (rate, step, aspect) in wide.items():
+        assert step / math.sqrt(aspect) == pytest.approx(base[n][1] / math.sqrt(base[n][2])), n
+    assert wide["attention.wq.weight"][0] == wide["attention.wk.weight"][0] == base["attention.wq.weight"][0] == 1.6
+    assert wide["feed_forward.w2.weight"][0] == pytest.approx(0.2 * math.sqrt(192 * 8 / (1408 / 192)))  # x sqrt(m/r)
+    assert wide["feed_forward.w1.weight"][0] == 1.6  # its aspect moves by r/m in DeepSpeed's factor
+
+
 @pytest.mark.parametrize("override,message", [
     ("optimizer.name=lion", "optimizer.name='lion' is not one of adamw, muon"),
     ("optimizer.muon_nesterov=false", "DeepSpeed's Muon runs Nesterov momentum"),
     ("optimizer.muon_ns_steps=6", "DeepSpeed's Muon runs Nesterov momentum"),
     ("optimizer.muon_momentum=1.0", "optimizer.muon_momentum=1.0 must be in [0, 1)"),
-    ("model.parametrization=mup", "Muon's muP rates are not derived yet"),
     ("distributed.offload_optimizer=true", "DeepSpeed's offload path clips the Muon update instead of the gradient"),
 ])
 def test_muon_config_is_checked(override, message):
