@@ -6,12 +6,15 @@ dirs planned alike, each trained at its own tuned rate. Reported:
 
 - per point of both (the same N and D, which the same plan gives), each one's final eval loss and
   B - A;
-- per B point, the compute multiplier at the same model size: by A's fitted law
-  L_A(N, D) = E + A / N^alpha + B / D^beta, the tokens A needs to reach B's loss at that N,
-  D_A = (B / (L_B - E - A / N^alpha))^(1/beta), over B's tokens: k = D_A / D, which at a fixed N
-  is the ratio of compute too (k > 1: B is worth k times A's compute; infinite when B's loss is
-  below what A's law reaches at that N with any number of tokens). The same N, not A's
-  compute-optimal allocation: a B point trained off its optimum would otherwise count against B;
+- per B point, the compute multiplier at the same model size: the tokens A needs to go from its
+  measured loss at (N, D) down (or up) to B's loss, along its fitted law's D-term
+  (L_A(N, D) = E + A / N^alpha + B / D^beta: at a fixed N, L_A(N, D') - L_A(N, D) =
+  B / D'^beta - B / D^beta), over D: k = D' / D = (t / (t + L_B - L_A))^(1/beta), t = B / D^beta,
+  which at a fixed N is the ratio of compute too (k > 1: B is worth k times A's compute; infinite
+  when the gap is larger than all that A's D-term has left, t). Anchored at A's measured point,
+  not at its law's value there: the law's misfit at the point (a few percent on a small ladder)
+  would otherwise enter k (a B point below A's measured loss could come out k < 1). The same N, not
+  A's compute-optimal allocation: a B point trained off its optimum would otherwise count against B;
 - the geometric mean of the multipliers over the points;
 - at `--budget` C (default: the largest budget), the compute-optimal multiplier: the compute A
   needs at its own optimal allocation to reach B's optimal loss at C, over C. Both frontiers are
@@ -19,8 +22,9 @@ dirs planned alike, each trained at its own tuned rate. Reported:
   C_A = C ((L_B*(C) - E_A) / (L_A*(C) - E_A))^(-1/gamma_A): an extrapolation of both laws.
 
 95% intervals: the points resampled and refitted (fit.parametric's bootstrap): A's for each
-point's multiplier (B's loss taken as measured: its own noise is not in the interval), A's and the
-table's rows for the geometric mean, A's and B's paired for the compute-optimal multiplier.
+point's multiplier (the law's D-term; the two measured losses are taken as they are: their noise
+is not in it), A's and the table's rows for the geometric mean (the rows' scatter carries the
+points' noise), A's and B's paired for the compute-optimal multiplier.
 `--out` draws compare.png: loss against compute for both, each size's law and both frontiers, and
 the multipliers.
 """
@@ -39,10 +43,12 @@ from pretrain.scaling import fit as F
 log = logging.getLogger(__name__)
 
 
-def tokens_to_reach(law: dict, params: float, loss: float) -> float:
-    """The tokens at which law(params, D) = loss; inf when loss is at or below its floor at params."""
-    gap = loss - law["E"] - law["A"] / params ** law["alpha"]
-    return (law["B"] / gap) ** (1 / law["beta"]) if gap > 0 and law["beta"] > 0 else math.inf
+def multiplier(law: dict, tokens: float, loss_a: float, loss_b: float) -> float:
+    """D' / D: at a fixed N, the tokens that take A from loss_a (measured at `tokens`) to loss_b along
+    the law's D-term B / D^beta, over `tokens`; inf when loss_b is below all that the term has left."""
+    term = law["B"] / tokens ** law["beta"]
+    gap = term + loss_b - loss_a
+    return (term / gap) ** (1 / law["beta"]) if gap > 0 and law["beta"] > 0 else math.inf
 
 
 def optimal_multiplier(law_a: dict, law_b: dict, budget: float) -> float:
@@ -103,10 +109,10 @@ def compare(a: str, b: str, budget: float = 0.0, bootstrap: int = 200) -> dict:
     law_a, samples_a = sides["a"]["law"], sides["a"]["samples"]
     rows = []
     for pa, pb in sorted(pairs, key=lambda ab: (ab[1].params, ab[1].tokens)):
-        k = tokens_to_reach(law_a, pb.params, pb.loss) / pb.tokens
+        k = multiplier(law_a, pb.tokens, pa.loss, pb.loss)
         rows.append({"params": pb.params, "tokens": pb.tokens, "budget": pb.budget,
                      "compute": 6 * pb.params * pb.tokens, "loss_a": pa.loss, "loss_b": pb.loss, "difference": pb.loss - pa.loss, "multiplier": k,
-                     "samples": [tokens_to_reach(s, pb.params, pb.loss) / pb.tokens for s in samples_a]})
+                     "samples": [multiplier(s, pb.tokens, pa.loss, pb.loss) for s in samples_a]})
     # The mean's interval: A's resample i with a resample of the rows (so B's noise counts too).
     mean = lambda ks: math.exp(float(np.mean(np.log(ks))))  # noqa: E731 (inf stays inf)
     rng = np.random.default_rng(0)
@@ -147,8 +153,8 @@ def report(r: dict) -> str:
         out.append(f"{r[s]['label']}: L(N, D) = {law['E']:.4g} + {law['A']:.4g} / N^{law['alpha']:.3f} + "
                    f"{law['B']:.4g} / D^{law['beta']:.3f}")
     out += ["", f"{len(r['rows'])} points of the same N and D; the compute multiplier: the compute {a} needs at "
-            f"the same N, by its law, to reach {b}'s loss, over {b}'s (95% intervals: {r['bootstrap']} resamples "
-            f"of {a}'s points)", "", table(r), ""]
+            f"the same N to go from its loss to {b}'s, by its law's D-term, over {b}'s (95% intervals: "
+            f"{r['bootstrap']} resamples of {a}'s points)", "", table(r), ""]
     g, o = r["geometric_mean"], r["optimal"]
     out.append(f"geometric mean of the multipliers: {_k(g['multiplier'], g['interval'])}")
     out.append(f"compute-optimal at C = {o['budget']:.3g} (both laws' frontiers, extrapolated): {a} needs "
