@@ -87,7 +87,9 @@ def _key(p: F.Point) -> tuple[float, float]:
 def compare(a: str, b: str, budget: float = 0.0, bootstrap: int = 200) -> dict:
     from pretrain.scaling.results import collect
 
-    sides = {s: {"input": path, "label": _label(path), "points": collect([path])} for s, path in (("a", a), ("b", b))}
+    # (sorted: the resamples, so the intervals, do not depend on the order of a sweep's or a CSV's rows)
+    sides = {s: {"input": path, "label": _label(path), "points": sorted(collect([path]), key=_key)}
+             for s, path in (("a", a), ("b", b))}
     if sides["a"]["label"] == sides["b"]["label"]:
         sides["a"]["label"], sides["b"]["label"] = f"A ({sides['a']['label']})", f"B ({sides['b']['label']})"
     by_key = {_key(p): p for p in sides["a"]["points"]}
@@ -167,6 +169,7 @@ def plot(r: dict, out: str) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     from pretrain.plot import png_dir
     from pretrain.scaling.plot import _save
@@ -205,6 +208,8 @@ def plot(r: dict, out: str) -> Path:
     bx.set(xscale="log", yscale="log", xlabel="compute C = 6 N D (FLOPs)",
            ylabel=f"{a} compute to reach {b}'s loss / {b}'s", title="Compute multiplier at the same N (95% intervals)",
            ylim=(min(finite + [1]) / 1.5, max(finite + [1]) * 1.5))
+    for axis in (bx.yaxis.set_major_formatter, bx.yaxis.set_minor_formatter):
+        axis(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     bx.legend(fontsize=8)
     return _save(fig, png_dir(out) / "compare.png")
 
