@@ -1,15 +1,18 @@
 """Does the best learning rate transfer? A sweep of optimizer.lr (factors of 2) at widths 64-512
-under sp and muP, and at depths 2-8 under CompleteP and muP, on the built-in corpus.
+under sp and muP, and at depths 2-8 under CompleteP and muP, on the built-in corpus, with AdamW
+and (`--optimizers adamw,muon`) Muon: each sweep again as SWEEP/muon.
 
 Each run trains the model of configs/tiny.yaml (grown by heads at its head_dim, as the planner
 grows models; `mup_base_dim` 64, `mup_base_layers` 2) for `--steps` steps with the run config's
-AdamW, its parameter groups (pretrain/optim.py), warmup and cosine decay and gradient clipping, in
+AdamW (or Muon: DeepSpeed's MuonWithAuxAdam as build_optimizer builds it, which runs Newton-Schulz
+itself without ZeRO), its parameter groups (pretrain/optim.py), warmup and cosine decay and gradient clipping, in
 one process without DeepSpeed (the arithmetic the trainer does, without its start-up cost), and
 scores it by its loss on the held-out split. Under a parametrization that transfers, the best rate
 moves at most one grid step across widths (depths); under sp it moves with width.
 
     python bench/bench_mup_transfer.py --out docs/mup [--steps 300] [--workers 2]
     python bench/bench_mup_transfer.py --quick            # 2 widths, 3 rates, 20 steps: a smoke run
+    python bench/bench_mup_transfer.py --sweeps width/mup --optimizers adamw,muon --widths 64,128,256 --out DIR
     python bench/bench_mup_transfer.py --sweeps width/mup --widths 64,512 --set model.init_std=0.0625 --out DIR
 
 Writes OUT/mup_transfer.json, OUT/mup_transfer.png, and prints a table for docs/mup.md. Runs
@@ -53,7 +56,7 @@ def run_one(job: dict) -> dict:
     torch.set_num_threads(1)
     cfg = load_config(CONFIG, [f"model.parametrization={job['parametrization']}", f"model.mup_base_dim={BASE_DIM}",
                                f"model.mup_base_head_dim={BASE_HEAD_DIM}", f"model.mup_base_layers={BASE_LAYERS}",
-                               f"optimizer.lr={job['lr']}",
+                               f"optimizer.lr={job['lr']}", f"optimizer.name={job.get('optimizer', 'adamw')}",
                                f"train.max_steps={job['steps']}", f"schedule.warmup_steps={job['steps'] // 10}",
                                f"schedule.min_lr={job['lr'] / 10}", f"data.seq_len={job['seq_len']}",
                                "data.num_workers=0", *job["set"]])
@@ -91,7 +94,7 @@ def best_index(rows: list[dict], lrs: list[float]) -> int:
 
 def summarise(results: list[dict], sweeps: dict, lrs: list[float]) -> dict:
     out = {}
-    for name, (param, axis, sizes) in sweeps.items():
+    for name, (param, axis, sizes, *_) in sweeps.items():
         best = {}
         for size in sizes:
             rows = [r for r in results if r["parametrization"] == param and r[axis] == size and r["sweep"] == name]
@@ -108,7 +111,7 @@ def plot(results: list[dict], sweeps: dict, lrs: list[float], path: Path) -> Non
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(sweeps), figsize=(4.6 * len(sweeps), 4.2), squeeze=False)
-    for ax, (name, (param, axis, sizes)) in zip(axes[0], sweeps.items()):
+    for ax, (name, (param, axis, sizes, *_)) in zip(axes[0], sweeps.items()):
         cmap = plt.get_cmap("viridis")
         finite = [r["eval_loss"] for r in results if r["sweep"] == name and math.isfinite(r["eval_loss"])]
         for i, size in enumerate(sizes):
@@ -121,7 +124,7 @@ def plot(results: list[dict], sweeps: dict, lrs: list[float], path: Path) -> Non
         ax.set_xscale("log", base=2)
         ax.set_ylim(min(finite) - 0.1, min(max(finite), min(finite) + 2.5) + 0.1)
         ax.set_xlabel("optimizer.lr (base)")
-        ax.set_title(f"{param}, across {'width' if axis == 'dim' else 'depth'}")
+        ax.set_title(f"{param}{' + muon' if name.endswith('/muon') else ''}, across {'width' if axis == 'dim' else 'depth'}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel("held-out loss")
@@ -134,13 +137,30 @@ def plot(results: list[dict], sweeps: dict, lrs: list[float], path: Path) -> Non
 def table(results: list[dict], sweeps: dict, lrs: list[float]) -> str:
     lines = ["| sweep | size | " + " | ".join(f"2^{round(math.log2(lr))}" for lr in lrs) + " | best |",
              "|---|---|" + "---|" * (len(lrs) + 1)]
-    for name, (param, axis, sizes) in sweeps.items():
+    for name, (param, axis, sizes, *_) in sweeps.items():
         for size in sizes:
             rows = {r["lr"]: r for r in results if r["sweep"] == name and r[axis] == size}
             b = best_index(list(rows.values()), lrs)
             cells = [("**%.3f**" if i == b else "%.3f") % rows[lr]["eval_loss"] if math.isfinite(rows[lr]["eval_loss"])
                      else "diverged" for i, lr in enumerate(lrs)]
             lines.append(f"| {name} | {axis}={size} | " + " | ".join(cells) + f" | 2^{round(math.log2(lrs[b]))} |")
+    return "\n".join(lines)
+
+
+def best_table(summary: dict, sweeps: dict) -> str:
+    """The best rate by size, AdamW's and Muon's side by side (a sweep and its /muon twin)."""
+    pairs = [(n, f"{n}/muon") for n in sweeps if not n.endswith("/muon")]
+    pairs += [(None, n) for n in sweeps if n.endswith("/muon") and n[:-5] not in sweeps]
+    lines = ["| sweep | size | best lr, adamw | best lr, muon |", "|---|---|---|---|"]
+    log2 = lambda v: f"2^{round(math.log2(v))}"  # noqa: E731
+    for adamw, muon in pairs:
+        name = adamw or muon[:-5]
+        _, axis, sizes, _ = sweeps[adamw or muon]
+        for size in sizes:
+            cells = [log2(summary[n]["best_lr"][size]) if n in summary else "-" for n in (adamw, muon)]
+            lines.append(f"| {name} | {axis}={size} | {cells[0]} | {cells[1]} |")
+        cells = [f"moves {summary[n]['shift_in_grid_steps']}" if n in summary else "-" for n in (adamw, muon)]
+        lines.append(f"| {name} | | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
 
@@ -155,6 +175,7 @@ def main() -> int:
     p.add_argument("--depths", default="2,4,8")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--sweeps", default="width/sp,width/mup,depth/mup,depth/completep", help="which of the four")
+    p.add_argument("--optimizers", default="adamw", help="adamw, muon or adamw,muon (Muon's sweeps are SWEEP/muon)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every run, e.g. model.init_std=0.05")
     p.add_argument("--quick", action="store_true")
@@ -165,14 +186,20 @@ def main() -> int:
     widths, depths = [int(x) for x in a.widths.split(",")], [int(x) for x in a.depths.split(",")]
     sweeps = {"width/sp": ("sp", "dim", widths), "width/mup": ("mup", "dim", widths),
               "depth/mup": ("mup", "n_layers", depths), "depth/completep": ("completep", "n_layers", depths)}
-    sweeps = {k: v for k, v in sweeps.items() if k in a.sweeps.split(",")}
+    optimizers = a.optimizers.split(",")
+    if not optimizers or set(optimizers) - {"adamw", "muon"}:
+        p.error(f"--optimizers {a.optimizers}: give adamw, muon or both")
+    sweeps = {(k if o == "adamw" else f"{k}/muon"): (*v, o) for o in optimizers for k, v in sweeps.items()
+              if k in a.sweeps.split(",")}
     common = dict(steps=a.steps, batch=a.batch, seq_len=a.seq_len, val_batches=8, set=a.set)
     jobs = []
-    for name, (param, axis, sizes) in sweeps.items():
+    for name, (param, axis, sizes, optimizer) in sweeps.items():
         for size in sizes:
             for lr in lrs:
                 dim, layers = (size, 4) if axis == "dim" else (128, size)
                 jobs.append(dict(sweep=name, parametrization=param, dim=dim, n_layers=layers, lr=lr, **common))
+                if optimizer != "adamw":  # (AdamW's jobs keep their old keys: cached runs are reused)
+                    jobs[-1]["optimizer"] = optimizer
     jobs.sort(key=lambda j: -j["dim"] * j["n_layers"])  # the longest first, for an even finish
     key = lambda j: tuple(str(j.get(k, [])) for k in ("sweep", "dim", "n_layers", "lr", "steps", "batch", "seq_len",  # noqa: E731
                                                       "set"))
@@ -196,6 +223,9 @@ def main() -> int:
     for name, s in summary.items():
         print(f"{name}: best lr moves {s['shift_in_grid_steps']} grid steps "
               f"({', '.join(f'{k}: 2^{round(math.log2(v))}' for k, v in s['best_lr'].items())})")
+    if any(n.endswith("/muon") for n in sweeps):
+        print()
+        print(best_table(summary, sweeps))
     print(f"{len(jobs)} runs trained in {time.time() - t0:.0f} s with {a.workers} workers on {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores")
     if a.out:

@@ -269,12 +269,21 @@ class CheckpointManager:
             raise collective(CheckpointError(
                 f"checkpoint {ckpt} has format {meta.get('format', 1)}, written by an older pretrain: this "
                 "version cannot resume it, but checkpoint.init_from and `pretrain export` read its weights"))
+        saved_opt = meta.get("optimizer", "adamw")  # (not recorded: written before Muon, AdamW)
+        if saved_opt != self._optimizer_name():
+            raise collective(CheckpointError(
+                f"checkpoint {ckpt} was trained with optimizer.name={saved_opt}, this run has "
+                f"optimizer.name={self._optimizer_name()}: a resume continues the optimizer's state; set "
+                f"optimizer.name={saved_opt}, or fine-tune from it with checkpoint.init_from (fresh optimizer state)"))
         if meta.get("zero_stage", self.zero_stage) != self.zero_stage:
             raise collective(CheckpointError(
                 f"checkpoint {ckpt} was saved with ZeRO stage {meta['zero_stage']}, this run uses "
                 f"{self.zero_stage}: set distributed.zero_stage={meta['zero_stage']} to resume "
                 "(checkpoint.init_from loads its weights at any stage)"))
         return meta
+
+    def _optimizer_name(self) -> str:
+        return self.run_config.get("optimizer", {}).get("name", "adamw")
 
     def _resume_from(self, ckpt: Path) -> Start:
         problem = self._corruption(ckpt)
@@ -400,6 +409,12 @@ class CheckpointManager:
         engine, ckpt = self.engine, start.path
         load_dir, tag = ckpt.parent, ckpt.name
         universal = start.universal(self.env.world_size)
+        if universal and any(g.get("use_muon") for g in engine.optimizer.param_groups):
+            # ds_to_universal reads exp_avg/exp_avg_sq of every group (checkpoint/ds_to_universal.py:154);
+            # Muon's groups hold a momentum_buffer: it fails with KeyError 'exp_avg' (DeepSpeed 0.19.8).
+            raise CheckpointError(f"{ckpt} was saved at world size {start.meta['world_size']} with optimizer.name=muon, "
+                                  "whose state DeepSpeed cannot convert to another world size: resume at world size "
+                                  f"{start.meta['world_size']}")
         if universal:
             folder = self._universal_dir(ckpt)
             load_dir, tag = folder.parent, folder.name
@@ -576,7 +591,8 @@ class CheckpointManager:
                 "model_shape": model_shape(self.model_args),
                 "model_function": model_shape(self.model_args, FUNCTION_FIELDS),
                 "model_parametrization": self.model_args.parametrization_spec(),
-                "zero_stage": self.zero_stage, "fingerprint": {"tokenizer": self.tokenizer_fingerprint},
+                "zero_stage": self.zero_stage, "optimizer": self._optimizer_name(),
+                "fingerprint": {"tokenizer": self.tokenizer_fingerprint},
                 **self.provenance}
         files["meta.json"] = json.dumps(meta, indent=2)
         return files

@@ -158,8 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", help="also write the result to this JSON file")
     ev.set_defaults(fn=_eval)
 
-    sc = sub.add_parser("scaling", help="scaling-law sweeps: plan, run, fit, plot (docs/scaling.md)").add_subparsers(
-        dest="sub", required=True)
+    sc = sub.add_parser("scaling", help="scaling-law sweeps: plan, run, fit, plot, compare (docs/scaling.md)")
+    sc = sc.add_subparsers(dest="sub", required=True)
     pl = with_config(sc.add_parser("plan", help="write the runs of a sweep over compute budgets and model sizes"))
     pl.add_argument("--budgets", required=True, help="comma-separated compute budgets in FLOPs, e.g. 1e15,3e15,1e16")
     pl.add_argument("--out", required=True, help="sweep directory (configs/, manifest.csv, runs/)")
@@ -205,6 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
     po.add_argument("--budget", type=float, default=0.0, help="mark this compute budget on the plots")
     _ladder_args(po)
     po.set_defaults(fn=_scaling("plot_cli"))
+    co = sc.add_parser("compare", help="one ladder trained two ways (e.g. AdamW, Muon): losses at equal N and D, "
+                                       "the compute multiplier, intervals (docs/optimizers.md)")
+    co.add_argument("a", help="the baseline: a sweep dir (or run dir, or CSV of points), e.g. the AdamW ladder")
+    co.add_argument("b", help="the other, planned alike, e.g. the Muon ladder")
+    co.add_argument("--budget", type=float, default=0.0,
+                    help="compute for the compute-optimal multiplier (default: the largest budget)")
+    co.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals")
+    co.add_argument("--out", help="directory for compare.png")
+    co.add_argument("--json", help="also write the comparison to this JSON file")
+    co.set_defaults(fn=_scaling("compare_cli"))
 
     mu = sub.add_parser("mup", help="muP / CompleteP: coordinate checks (docs/mup.md)").add_subparsers(
         dest="sub", required=True)

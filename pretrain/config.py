@@ -39,6 +39,13 @@ class OptimizerConfig:
     beta2: float = 0.95  # Adam second-moment decay
     eps: float = 1e-8  # Adam epsilon
     grad_clip: float = 1.0  # max global gradient L2 norm (0 = no clipping)
+    name: str = "adamw"  # adamw | muon: Muon on the 2-D hidden matrices, AdamW (the fields above) on the rest (docs/optimizers.md)
+    muon_momentum: float = 0.95  # Muon's momentum (an EMA of the gradient, as torch.optim.Muon's)
+    muon_nesterov: bool = True  # Muon orthogonalises the Nesterov blend of gradient and momentum
+    muon_ns_steps: int = 5  # Newton-Schulz iterations per orthogonalisation
+    muon_ns_method: str = "gram"  # gram (DeepSpeed's default: fp16 on GPU, fp32 on CPU) | standard (torch.optim.Muon's iteration, bf16)
+    muon_lr_rule: str = "match_adamw"  # match_adamw: update RMS of AdamW's (0.2 sqrt(max(fan_out, fan_in))), so optimizer.lr and weight_decay carry over
+    # (under mup/completep: that rule at the base shape, then spectral muP across width; optim.muon_lr_scale)
 
 
 @dataclass
@@ -210,6 +217,7 @@ class Config:
             out.append(", ".join(bad) + ": must be finite numbers")
         elif o.lr < 0:
             out.append(f"optimizer.lr={o.lr} must be >= 0")
+        out += muon_problems(self)
         if s.min_lr > self.optimizer.lr:
             out.append(f"schedule.min_lr={s.min_lr} is above optimizer.lr={self.optimizer.lr}")
         if not (math.isfinite(self.checkpoint.every_minutes) and self.checkpoint.every_minutes >= 0):
@@ -308,6 +316,30 @@ class Config:
 def _choice(out: list[str], name: str, value, allowed: tuple) -> None:
     if value not in allowed:
         out.append(f"{name}={value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def muon_problems(cfg: "Config") -> list[str]:
+    """optimizer.name and Muon's fields. DeepSpeed 0.19.8 runs Muon's step inside ZeRO (it gathers
+    each hidden matrix's full gradient to orthogonalise it) with 5 Newton-Schulz steps and Nesterov
+    momentum fixed (deepspeed/runtime/zero/muon/original_muon.py, muon_update's defaults, which no
+    ZeRO stage passes on): other values would be silently ignored, so they are refused."""
+    o, out = cfg.optimizer, []
+    _choice(out, "optimizer.name", o.name, ("adamw", "muon"))
+    _choice(out, "optimizer.muon_ns_method", o.muon_ns_method, ("standard", "gram"))
+    _choice(out, "optimizer.muon_lr_rule", o.muon_lr_rule, ("match_adamw",))
+    if not (math.isfinite(o.muon_momentum) and 0 <= o.muon_momentum < 1):
+        out.append(f"optimizer.muon_momentum={o.muon_momentum} must be in [0, 1)")
+    if o.name != "muon":
+        return out
+    if not o.muon_nesterov or o.muon_ns_steps != 5:
+        out.append(f"optimizer.muon_nesterov={o.muon_nesterov} muon_ns_steps={o.muon_ns_steps}: DeepSpeed's Muon "
+                   "runs Nesterov momentum and 5 Newton-Schulz steps, fixed; keep true and 5")
+    if cfg.distributed.offload_optimizer:
+        # DeepSpeed's offload path orthogonalises before the norm (stage_1_and_2.py:3038,
+        # _apply_muon_updates_cpu_offload) and clips the updates; not corrected (docs/optimizers.md).
+        out.append("optimizer.name=muon with distributed.offload_optimizer=true: DeepSpeed's offload path clips the "
+                   "Muon update instead of the gradient; turn offload off")
+    return out
 
 
 # ---------------------------------------------------------------- loading

@@ -46,6 +46,16 @@ of the weights for gathers and of distributed.grad_dtype for gradients (fp32 by 
 communication overlapped with compute (DeepSpeed's overlap_comm) a step takes about the longer of
 the two; where communication is longer, more GPUs stop paying.
 
+Muon (optimizer.name=muon; ZeRO-3, or stage 0 in fp32), checked on 1 and 2 CPU ranks (allocations,
+the step's transient and the bytes of every collective, tests/test_estimate.py): its matrices hold
+the fp32 master and one momentum in the gradients' reduction dtype instead of two Adam moments;
+reduce_scatter=false (DeepSpeed's, under Muon) all-reduces (2x) the gradients of the parameters
+that fit a reduce bucket, larger ones are still reduce-scattered; once per step, after backward
+and not overlapped, our ZeRO-3 step (pretrain/muon.py) sends each matrix's gradient and momentum
+slices to its owner rank by an all-to-all, the owner orthogonalises it (Newton-Schulz, 5 steps;
+FLOPs counted from DeepSpeed's iteration, at the assumed MFU; owners balance them) and a second
+all-to-all returns the update and momentum slices: about 4 M c (n-1)/n^2 bytes per GPU (muon_step).
+
 Ulysses' all-to-alls, per GPU per layer per micro-batch: forward sends (N-1)/N of the rank's
 q, k, v (k and v r times) and of the attention output, T/N tokens each; backward sends their
 gradients, the same bytes; a checkpointed block's recomputation repeats the forward's. They run
@@ -133,22 +143,111 @@ def largest_layer_params(args: ModelArgs) -> int:
 
 
 def model_state_bytes(n_params: int, stage: int, world: int, precision: str, grad_dtype: str = "fp32",
-                      largest_layer: int = 0) -> dict:
+                      largest_layer: int = 0, muon: int = 0) -> dict:
     """Weights, gradients, optimizer state (master weights + Adam moments) and, at ZeRO-3, the largest
-    module gathered, per GPU, as DeepSpeed allocates them for `stage` as configured."""
+    module gathered, per GPU, as DeepSpeed allocates them for `stage` as configured. Of the
+    parameters, `muon` are Muon's (optimizer.name=muon): one momentum instead of the two Adam
+    moments, in the dtype gradients are reduced in (DeepSpeed's communication_data_type at ZeRO-3,
+    stage3.py _create_momentum_buffer; fp32 at stage 0 fp32, the only other stage Muon runs at)."""
     n, p = n_params, 4 if precision == "fp32" else 2
     a = 4 if precision == "fp32" or (precision == "bf16" and grad_dtype == "fp32") else 2
+    adam = 12 * n - (8 - a) * muon  # fp32 master weights + moments: exp_avg, exp_avg_sq or the momentum
     if precision == "bf16" and stage == 0:
         stage = 1  # parallelize.engine_zero_stage
     if stage == 0:  # fp32: torch's AdamW on the weights; fp16: DeepSpeed's FP16_Optimizer, fp32 copies
         extra = 0 if p == 4 else 4
-        return {"weights": p * n, "gradients": (p + extra) * n, "optimizer": (8 + extra) * n}
+        return {"weights": p * n, "gradients": (p + extra) * n, "optimizer": adam - (4 - extra) * n}
     if stage == 1 and precision == "bf16" and a == 4:  # BF16_Optimizer
-        return {"weights": 2 * n, "gradients": (2 + 4) * n, "optimizer": 12 * n / world}
+        return {"weights": 2 * n, "gradients": (2 + 4) * n, "optimizer": adam / world}
     if stage <= 2:
-        return {"weights": p * n, "gradients": (p + 4) * n / world, "optimizer": 12 * n / world}
-    return {"weights": p * n / world, "gradients": a * n / world, "optimizer": 12 * n / world,
+        return {"weights": p * n, "gradients": (p + 4) * n / world, "optimizer": adam / world}
+    return {"weights": p * n / world, "gradients": a * n / world, "optimizer": adam / world,
             "gathered": (2 * p + (a if a != p else 0)) * largest_layer}
+
+
+def muon_matrices(args: ModelArgs) -> list[list[tuple[int, int]]]:
+    """The matrices Muon steps, (fan_out, fan_in), in the order ZeRO-3 steps them: one optimizer group
+    per fan-in (optim.muon_param_groups), in the order the model first has it, each group's
+    matrices in the model's order (wq wk wv wo w1 w2 w3 per block)."""
+    qd, kvd, D, F = args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.dim, args.hidden_dim
+    groups: dict[int, list] = {}
+    for _ in range(args.n_layers):
+        for shape in ((qd, D), (kvd, D), (kvd, D), (D, qd), (F, D), (D, F), (F, D)):
+            groups.setdefault(shape[1], []).append(shape)
+    return list(groups.values())
+
+
+def newton_schulz_flops(m: int, k: int, method: str = "gram", steps: int = 5) -> int:
+    """Matmul FLOPs of DeepSpeed's Newton-Schulz (original_muon.py) on an m x k matrix, transposed so
+    that m <= k. standard: per step X X^T (2 m^2 k), A A (2 m^3), B X (2 m^2 k). gram (the default):
+    on the m x m Gram matrix R = X X^T, restarted at step 2 (X = Q X, R = X X^T); per step Z = b R +
+    c R R and Q = a Q + Z Q (none at the first step and the restart), R updated by two products
+    except after the last step and before the restart; Q X at the end: 8 m^2 k + 28 m^3 at 5 steps.
+    A square matrix takes the standard iteration under gram too."""
+    m, k = min(m, k), max(m, k)
+    if method == "standard" or m == k:
+        return steps * (4 * m * m * k + 2 * m**3)
+    restart = 2 if steps > 2 else None
+    flops = 2 * m * m * k  # R = X X^T
+    for i in range(steps):
+        if i == restart:
+            flops += 4 * m * m * k  # X = Q X, R = X X^T
+        flops += 2 * m**3 + (0 if i in (0, restart) else 2 * m**3)  # Z; Q = a Q + Z Q
+        if i < steps - 1 and i + 1 != restart:
+            flops += 4 * m**3  # R = a (a R + Z R) + Z (a R + Z R)
+    return flops + 2 * m * m * k  # Q X
+
+
+def muon_step(args: ModelArgs, stage: int, world: int, bucket: int, c: int, method: str = "gram") -> dict:
+    """Muon's optimizer step per GPU, `c` the bytes of its communication dtype (the gradients'
+    reduction dtype). At ZeRO-3 ours (pretrain/muon.py, replacing DeepSpeed's round robin per
+    bucket), checked on 1 and 2 CPU ranks (tests/test_estimate.py): every matrix has one owner
+    (muon.owners: largest Newton-Schulz work first onto the least loaded rank), which receives the
+    other ranks' partition slices of its gradient and momentum (ceil(numel / n) elements each) by an
+    all-to-all, orthogonalises it and sends the slices of the update and the momentum back; matrices
+    taken in batches of up to n x bucket elements (muon.batches):
+    - "flops": Newton-Schulz FLOPs of the busiest rank, "flops_total" over all ranks;
+    - "comm": bytes the busiest rank sends (as many as it receives): 2 c per slice, one slice per
+      matrix it does not own, n - 1 slices back per matrix it owns, about 4 M c (n-1)/n^2 in all;
+    - "transient": the largest batch's send and receive buffers, the full gradient, momentum and
+      padded copy of the largest matrix a rank owns there and about 3 matrices of temporaries in
+      muon_update, plus the momentum partitions parallelize.muon_at_zero3 copies (M / n); left
+      out: muon_update's Newton-Schulz matrices in half precision and the m x m Gram matrices.
+    At stage 0 (fp32, no ZeRO) every rank orthogonalises every matrix and sends nothing."""
+    from pretrain.muon import batches, owners
+
+    flat = [s for g in muon_matrices(args) for s in g]
+    n_muon = sum(m * k for m, k in flat)
+    costs = [newton_schulz_flops(m, k, method) for m, k in flat]
+    out = {"params": n_muon, "flops_total": sum(costs), "flops": 0, "comm": 0.0}
+    if stage != 3:
+        return {**out, "flops": out["flops_total"], "transient": c * 3 * max(m * k for m, k in flat)}
+    n, numels = world, [m * k for m, k in flat]
+    parts = [-(-x // n) for x in numels]
+    owner = owners(costs, n)
+    load, sent, transient = [0] * n, [0] * n, 0.0
+    for j, r in enumerate(owner):
+        load[r] += costs[j]
+        for q in range(n):
+            sent[q] += 2 * parts[j] * c * ((n - 1) if q == r else 1) if n > 1 else 0
+    for batch in batches(sorted(range(len(flat)), key=lambda j: (-costs[j], j)), numels, n * bucket):
+        send = 2 * sum(parts[j] for j in batch)
+        for r in range(n):
+            own = [j for j in batch if owner[j] == r]
+            if own:
+                big = max(numels[j] for j in own)
+                transient = max(transient, c * (send + 2 * n * sum(parts[j] for j in own) + 5 * big + n * -(-big // n)))
+    return {**out, "flops": max(load), "comm": float(max(sent)), "transient": transient + c * n_muon / n}
+
+
+def allreduced_params(args: ModelArgs, bucket: int) -> int:
+    """Parameters whose gradients ZeRO-3 all-reduces rather than reduce-scatters under
+    reduce_scatter=false (Muon): those that fit its reduce bucket (stage3.py:1673); a larger one
+    is reduced alone, and still reduce-scattered."""
+    qd, kvd, D, F = args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.dim, args.hidden_dim
+    block = [D * qd, D * kvd, D * kvd, qd * D, D * F, F * D, D * F, D, D]
+    sizes = block * args.n_layers + [D, args.vocab_size * D] + ([] if args.tie_embeddings else [args.vocab_size * D])
+    return sum(x for x in sizes if x <= bucket)
 
 
 def allreduce_copy_bytes(n_params: int, stage: int, precision: str, grad_dtype: str) -> float:
@@ -207,13 +306,18 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
     sequences = cfg.global_batch(a.gpus // d.sequence_parallel)
     tokens_per_step = sequences * cfg.data.seq_len
     micro_tokens = t.micro_batch_size * cfg.data.seq_len  # whole sequences, split over a sequence-parallel group
+    muon = cfg.optimizer.name == "muon"
+    bucket = d.reduce_bucket_size or args.dim**2
+    flops_s = a.peak_tflops * 1e12 * a.mfu  # FLOP/s assumed, Newton-Schulz's matmuls too
 
     def at(world: int, sp: int = d.sequence_parallel) -> dict:
         dp = world // sp  # sequence-parallel groups: each reads its own micro-batches
         if world % sp or sequences % (t.micro_batch_size * dp):
             raise ConfigError(f"the global batch of {sequences} sequences does not split over {world} GPUs")
         k = sequences // (t.micro_batch_size * dp)
-        states = model_state_bytes(n_total, stage, world, a.precision, d.grad_dtype, largest_layer_params(args))
+        opt = muon_step(args, stage, world, bucket, g, cfg.optimizer.muon_ns_method) if muon else None
+        states = model_state_bytes(n_total, stage, world, a.precision, d.grad_dtype, largest_layer_params(args),
+                                   opt["params"] if muon else 0)
         acts = activation_bytes(args, micro_tokens, p, t.activation_checkpointing, t.loss_chunk_tokens, sp,
                                 t.mlp_chunk_tokens)
         buffers = allreduce_copy_bytes(n_total, stage, a.precision, d.grad_dtype)
@@ -221,22 +325,33 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
             buffers += (d.reduce_bucket_size or args.dim**2) * 4 + (
                 (d.prefetch_bucket_size or int(0.9 * args.dim**2)) * p if stage == 3 else 0)
         memory = {**states, "activations": acts["saved"] + acts["peak_extra"], "buffers": buffers}
-        compute_s = fpt * tokens_per_step / (world * a.peak_tflops * 1e12 * a.mfu)
+        if muon:
+            memory["optimizer_step"] = opt["transient"]
+        compute_s = fpt * tokens_per_step / (world * flops_s)
         comm = comm_bytes(n_total, stage, world, k, p, g)
+        allreduced = allreduced_params(args, bucket) if muon and stage == 3 else 0
+        comm += k * (world - 1) / world * allreduced * g  # an all-reduce moves twice a reduce-scatter's bytes
         comm_s = comm / (a.gbps * 1e9 / 8)
+        # Muon's step runs after backward, its all-gathers and Newton-Schulz one after the other.
+        opt_s = opt["flops"] / flops_s + opt["comm"] / (a.gbps * 1e9 / 8) if muon else 0.0
         # Ulysses: forward and backward exchange every layer, a checkpointed block's recomputation
         # again; the all-to-alls sit between the layer's compute, not beside it: added to the step.
         exchange = sequence_exchange_bytes(args, micro_tokens, p, sp)
         a2a = k * (2 * args.n_layers + _checkpointed(args, t.activation_checkpointing)) * exchange
         a2a_s = a2a / (a.sp_gbps * 1e9 / 8)
-        step_s = max(compute_s, comm_s) + a2a_s
-        total_gib = sum(memory.values()) / GIB
+        step_s = max(compute_s, comm_s) + a2a_s + opt_s
+        # The optimizer step's transient comes after backward has freed the activations: the larger counts.
+        total_gib = (sum(memory.values()) - min(memory["activations"], memory.get("optimizer_step", 0))) / GIB
+        extra = {"muon": {"params": opt["params"], "ns_flops_per_gpu": opt["flops"],
+                          "ns_flops_total": opt["flops_total"], "ns_s": opt["flops"] / flops_s,
+                          "step_comm_gib_per_gpu": opt["comm"] / GIB, "step_comm_s": opt["comm"] / (a.gbps * 1e9 / 8),
+                          "allreduced_params": allreduced}} if muon else {}
         return {"gpus": world, "sequence_parallel": sp, "grad_accum": k, "memory_gib_per_gpu": total_gib,
                 "fits": total_gib <= a.gpu_memory_gib, "memory_parts_gib": {k_: v / GIB for k_, v in memory.items()},
                 "compute_s": compute_s, "comm_gib_per_gpu": comm / GIB, "comm_s": comm_s,
                 "all_to_all_mib_per_layer": exchange / 2**20, "all_to_all_gib_per_gpu": a2a / GIB,
-                "all_to_all_s": a2a_s, "step_s": step_s, "tokens_per_s": tokens_per_step / step_s,
-                "comm_bound": comm_s > compute_s}
+                "all_to_all_s": a2a_s, "optimizer_step_s": opt_s, "step_s": step_s,
+                "tokens_per_s": tokens_per_step / step_s, "comm_bound": comm_s > compute_s, **extra}
 
     here = at(a.gpus)
     scaling = []
@@ -264,7 +379,9 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         "tokens_per_step": tokens_per_step, "steps": t.max_steps, "tokens_total": tokens_per_step * t.max_steps,
         "flops_total": fpt * tokens_per_step * t.max_steps, "zero_stage": stage, "seq_len": cfg.data.seq_len,
         "assumptions": vars(a), **here, "total_s": total_s, "total_h": total_s / 3600,
-        "host_checkpoint_copy_gib": (n_total * (4 + 8) / (a.gpus if stage >= 1 else 1)) / GIB,
+        "host_checkpoint_copy_gib": ((n_total * (4 + 8) - (8 - g) * here.get("muon", {}).get("params", 0))
+                                     / (a.gpus if stage >= 1 else 1)) / GIB,
+        "optimizer": cfg.optimizer.name,
         "scaling": scaling, "fit_hint": fit_hint(cfg),
         "kv_replication": kv_replication(args.kv_heads, d.sequence_parallel),
         "activation_checkpointing": t.activation_checkpointing > 0,
@@ -312,14 +429,28 @@ def _a2a_line(e: dict) -> str:
             f"{a['sp_gbps']:g} Gbit/s (not overlapped: in the step time)")
 
 
+def _muon_line(e: dict) -> str:
+    m, a = e["muon"], e["assumptions"]
+    return (f"Muon step (once per step, after backward, not overlapped): Newton-Schulz "
+            f"{m['ns_flops_per_gpu'] / 1e12:.3g} TFLOPs on the busiest GPU "
+            f"({m['ns_flops_total'] / 1e12:.3g} over all), {m['ns_s']:.3g} s; {m['step_comm_gib_per_gpu']:.3g} GiB "
+            "of gradient, momentum and update slices sent per GPU (all-to-all), "
+            f"{m['step_comm_s']:.3g} s at {a['gbps']:g} Gbit/s; {e['optimizer_step_s']:.3g} s = "
+            f"{e['optimizer_step_s'] / e['step_s']:.0%} of the step. {m['params'] / 1e6:,.1f}M parameters on Muon"
+            + (f"; reduce_scatter: false all-reduces the gradients of the {m['allreduced_params'] / 1e6:,.1f}M "
+               "parameters that fit a reduce bucket" if e["zero_stage"] == 3 else ""))
+
+
 def report(e: dict) -> str:
     a = e["assumptions"]
+    muon = "muon" in e
     sp = e["sequence_parallel"]
     split = f", each sequence split over {sp} GPUs" if sp > 1 else ""
     lines = [
         f"model: {e['params'] / 1e6:,.1f}M parameters ({e['params_non_embedding'] / 1e6:,.1f}M non-embedding), "
         f"{e['flops_per_token'] / 1e9:.3f} GFLOPs per token (forward + backward, PaLM)",
-        f"run: {a['gpus']} GPU(s), ZeRO-{e['zero_stage']}, {a['precision']}, {e['tokens_per_step']:,} tokens per step "
+        f"run: {a['gpus']} GPU(s), ZeRO-{e['zero_stage']}, {a['precision']}, {e['optimizer']}, "
+        f"{e['tokens_per_step']:,} tokens per step "
         f"({e['grad_accum']} micro-batch(es) per GPU{split}), {e['tokens_total'] / 1e9:,.2f}B tokens, "
         f"{e['flops_total']:.3g} FLOPs in all",
         f"memory per GPU: {e['memory_gib_per_gpu']:.2f} GiB = "
@@ -333,17 +464,20 @@ def report(e: dict) -> str:
         f"ZeRO communication at {a['gbps']:g} Gbit/s per GPU: {e['comm_gib_per_gpu']:.3g} GiB per GPU per step, "
         f"{e['comm_s']:.3g} s ({'longer than' if e['comm_bound'] else 'hidden behind'} the compute, if overlapped)",
         *([_a2a_line(e)] if sp > 1 else []),
+        *([_muon_line(e)] if muon else []),
         "",
         "The same global batch on other GPU counts (efficiency = compute time / step time: below 1 the",
-        "GPUs wait for ZeRO's collectives; more GPUs then buy less than their share):",
+        "GPUs wait for ZeRO's collectives" + (" or Muon's step" if muon else "") + "; more GPUs then buy less than "
+        "their share):",
         "",
-        "| GPUs | micro-batches per GPU | memory/GPU GiB | compute s | comm s | step s | tokens/s | efficiency |",
-        "|---|---|---|---|---|---|---|---|",
+        "| GPUs | micro-batches per GPU | memory/GPU GiB | compute s | comm s |" + (" Muon step s |" if muon else "")
+        + " step s | tokens/s | efficiency |",
+        "|---|---|---|---|---|---|---|---|" + ("---|" if muon else ""),
     ]
     for r in e["scaling"]:
         lines.append(f"| {r['gpus']} | {r['grad_accum']} | {_memory_cell(r, a)} | {r['compute_s']:.3g} | "
-                     f"{r['comm_s']:.3g} | {r['step_s']:.3g} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['compute_s'] / r['step_s']:.0%} |")
+                     f"{r['comm_s']:.3g} | " + (f"{r['optimizer_step_s']:.3g} | " if muon else "")
+                     + f"{r['step_s']:.3g} | {r['tokens_per_s']:,.0f} | {r['compute_s'] / r['step_s']:.0%} |")
     lines += [
         "",
         f"Sequence parallelism (distributed.sequence_parallel) at seq_len {e['seq_len']:,}: each sequence split over",

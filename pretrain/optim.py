@@ -28,6 +28,8 @@ one tensor, so the rules must live in the groups, not on tensors.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pretrain.config import OptimizerConfig
@@ -92,8 +94,89 @@ def set_lr(optimizer, lr: float) -> None:
         group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
+MUON_ROLES = ("hidden", "ffn_out")  # the 2-D hidden matrices: wq wk wv wo w1 w3, and w2
+
+
+def muon_lr_scale(shape, base_shape=None) -> float:
+    """Muon's rate for a (fan_out, fan_in) matrix relative to optimizer.lr (the match_adamw rule).
+
+    sp (no base_shape): Moonshot's rule (torch.optim.Muon's adjust_lr_fn="match_rms_adamw") steps
+    the orthogonalised update O by lr x 0.2 sqrt(max(fan_out, fan_in)), which gives it the RMS of a
+    typical AdamW update (about 0.2), so AdamW's rate and decay carry over. DeepSpeed's muon_update
+    already scales O by sqrt(max(1, fan_out / fan_in)) (Keller Jordan's original rule), so the
+    group's rate carries the ratio of the two: 0.2 sqrt(fan_in) for either aspect.
+
+    mup/completep (base_shape: the matrix's shape in the base model): Moonshot's rule at the base
+    shape, then the spectral condition (Yang, Simon, Bernstein 2023) across width: O has spectral
+    norm ~1 at any width, and a hidden matrix's update must have spectral norm ~ sqrt(fan_out /
+    fan_in) for its features to move by O(1), so the step is
+    lr x 0.2 sqrt(max(base)) x sqrt(aspect / base aspect): width-independent where the aspect is
+    (every matrix of a family grown at fixed ratios), never the 0.2 sqrt(fan_in) of sp, which grows
+    as sqrt(m). Less DeepSpeed's factor, the rate is 0.2 sqrt(base fan_in x min(1, aspect) /
+    min(1, base aspect)): the tall w1, w3 take their change of aspect (r/m under `multiple_of`
+    rounding) from DeepSpeed's factor, the wide w2 from the last factor, sqrt(m/r). The update is
+    scale-free, so the 1/m_L that CompleteP puts on each branch's gradient does not reach it: no
+    depth factor, as AdamW's rates under CompleteP (alpha = 1) have none. At the base shape the rule
+    is sp's, so one base rate serves both."""
+    fan_out, fan_in = shape
+    base_out, base_in = base_shape or shape
+    return 0.2 * math.sqrt(base_in * min(1, fan_out / fan_in) / min(1, base_out / base_in))
+
+
+def base_shape(name: str, shape, args: ModelArgs):
+    """A hidden matrix's shape in the mup/completep base model (None under sp): each side divided
+    by its width multiplier, r for the SwiGLU width (w1, w3 out, w2 in), m for the rest."""
+    if args.parametrization == "sp":
+        return None
+    m, r = args.width_mult, args.ffn_width_mult
+    if ".feed_forward.w2." in name:
+        return shape[0] / m, shape[1] / r
+    if ".feed_forward.w1." in name or ".feed_forward.w3." in name:
+        return shape[0] / r, shape[1] / m
+    return shape[0] / m, shape[1] / m
+
+
+def muon_param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> list[dict]:
+    """AdamW's groups (param_groups) with the hidden roles' matrices moved to Muon groups, one per
+    rate (muon_lr_scale: by fan-in under sp, by the base's under mup/completep); every group is
+    tagged `use_muon`, and so is every parameter, which is how ZeRO finds the matrices it must
+    orthogonalise (by role, not by DeepSpeed's own name rule, which would hand our untied `output`
+    head to Muon). The decay is divided by the rate's scale so that each step decays by
+    optimizer.lr x weight_decay (AdamW's product, held under muP too), as torch.optim.Muon and
+    Moonshot do."""
+    names = {p: n for n, p in model.named_parameters()}
+    groups = []
+    muon: dict[float, dict] = {}
+    for g in param_groups(model, cfg):
+        rest = []
+        for p in g["params"]:
+            shape = getattr(p, "ds_shape", p.shape)
+            p.use_muon = len(shape) == 2 and role(names[p], len(shape)) in MUON_ROLES
+            if not p.use_muon:
+                rest.append(p)
+                continue
+            scale = muon_lr_scale(shape, base_shape(names[p], shape, model.args))
+            if scale not in muon:
+                muon[scale] = {"params": [], "use_muon": True, "lr_scale": scale, "lr": cfg.lr * scale,
+                               "weight_decay": g["weight_decay"] * g["lr_scale"] / scale,
+                               "momentum": cfg.muon_momentum, "ns_method": cfg.muon_ns_method}
+            muon[scale]["params"].append(p)
+        if rest:
+            groups.append({**g, "params": rest, "use_muon": False, "lr": cfg.lr * g["lr_scale"],
+                           "betas": (cfg.beta1, cfg.beta2)})
+    return groups + list(muon.values())
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
     # torch's AdamW rather than DeepSpeed's FusedAdam/CPUAdam: no op build at start-up, and it resumes
     # bitwise (FusedAdam drifted ~5e-7 after a load when we measured it); fused on CUDA for speed.
+    if cfg.name == "muon":
+        # DeepSpeed's class, not torch.optim.Muon: ZeRO recognises it (isinstance) and runs the
+        # Newton-Schulz step on full gradients it gathers itself; torch's AdamW does the rest.
+        from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+        return MuonWithAuxAdam(muon_param_groups(model, cfg), adam_optimizer=torch.optim.AdamW,
+                               adam_optimizer_kwargs={"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps,
+                                                      "fused": device.type == "cuda"})
     return torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=cfg.eps, fused=device.type == "cuda")

@@ -45,6 +45,186 @@ def trainer_clips(cfg: Config, precision: str) -> bool:
     return cfg.distributed.zero_stage == 0 and precision == "fp32"
 
 
+def muon_clips_itself(cfg: Config, precision: str) -> bool:
+    """Muon at ZeRO 1-3: DeepSpeed takes the gradient norm after Newton-Schulz, over the Muon updates
+    (stage3.py:2885; stage_1_and_2.py orthogonalises while it flattens the gradient partitions), and
+    would clip those (tiny model: norm 31 where the gradient's is 0.77, every Muon step divided by
+    31). The engine's optimizer is wrapped instead (muon_at_zero3, muon_at_zero12) and DeepSpeed
+    told not to clip. Not DeepSpeed's bf16 optimizer (bf16 at stage 1 with fp32 gradients): it
+    clips the gradients before Newton-Schulz itself (muon_at_bf16)."""
+    return cfg.optimizer.name == "muon" and engine_zero_stage(cfg, precision) > 0 \
+        and not cfg.distributed.offload_optimizer and not bf16_optimizer(cfg, precision)
+
+
+def bf16_optimizer(cfg: Config, precision: str) -> bool:
+    """Whether DeepSpeed runs its BF16_Optimizer (engine.py, _do_optimizer_sanity_check): bf16 at
+    ZeRO-1 (ours at 0 too) with fp32 gradient accumulation, no offload."""
+    return precision == "bf16" and engine_zero_stage(cfg, precision) == 1 and cfg.distributed.grad_dtype == "fp32" \
+        and not cfg.distributed.offload_optimizer
+
+
+def muon_at_bf16(opt) -> None:
+    """DeepSpeed's bf16 optimizer clips the raw gradients, then orthogonalises and commits the new
+    momentum (_prepare_muon_updates, bf16_optimizer.py:436), then runs the inner step, which is all
+    the trainer's guard can drop. The orthogonalisation moves into the inner step: a dropped update
+    leaves the momentum."""
+    prepare, inner = opt._prepare_muon_updates, opt.optimizer
+    inner_step = inner.step
+
+    def step(*args, **kwargs):
+        prepare()
+        return inner_step(*args, **kwargs)
+
+    opt._prepare_muon_updates = lambda: None
+    inner.step = step
+
+
+def muon_at_zero3(zero, clip: float) -> None:
+    """Two corrections to DeepSpeed's Muon at ZeRO-3 (`zero`: its stage-3 optimizer, whose step calls
+    _apply_muon_to_accumulated_grads, then _get_norm_groups, then the inner optimizer's step per
+    sub-group, then _post_step; stage3.py:2873-2940):
+
+    - Clip the gradients, not the Muon updates, as torch.optim.Muon after clip_grad_norm_ and
+      Moonshot do, and report their norm (what the trainer's guard, the spike detector and the logs
+      read). Newton-Schulz is scale-invariant, so the clip only changes how much of this step's
+      gradient enters the momentum.
+    - A dropped update leaves the momentum as it was. DeepSpeed folds the gradient into Muon's
+      momentum before the inner step, which is all the trainer's guard can drop; the momentum
+      partitions are copied before and put back when no inner step ran (4 bytes per Muon
+      parameter / world size, for the step).
+
+    And the orthogonalisation itself is ours (pretrain/muon.py zero3_step): each Muon matrix has one
+    owner rank, which gathers its gradient and momentum by an all-to-all, runs DeepSpeed's
+    muon_update and sends the slices back, in place of DeepSpeed's round robin per bucket."""
+    from deepspeed.runtime.utils import combine_grad_norm_groups
+
+    from pretrain.muon import zero3_step
+
+    norm_groups, post_step, inner = zero._get_norm_groups, zero._post_step, zero.optimizer
+    plan: dict = {}  # owners and batches, kept between steps
+
+    def apply():  # ours, not DeepSpeed's (its round robin per bucket leaves Newton-Schulz to rank 0: pretrain/muon.py)
+        if zero.offload_optimizer or zero.save_muon_momentum_buffer_in_memory or any(
+                zero._swappable_optimizer_subgroup(i) for i, m in enumerate(zero.sub_groups_using_muon) if m):
+            raise ValueError("Muon's ZeRO-3 step (pretrain/muon.py) keeps its momentum on the device: no offload")
+        zero3_step(zero, plan)
+    inner_step = inner.step
+    raw, saved, ran = [], {}, [False]
+
+    def momenta() -> dict:
+        return {i: zero.optimizer.state.get(zero.fp32_partitioned_groups_flat[i], {}).get("momentum_buffer")
+                for i, muon in enumerate(zero.sub_groups_using_muon) if muon}
+
+    def restore():
+        """Put the momenta back if the last step's update was dropped (also where DeepSpeed itself
+        returned before _post_step, on an invalid norm)."""
+        if saved and not ran[0]:
+            for i, m in momenta().items():
+                if m is not None:
+                    m.copy_(saved[i]) if saved[i] is not None else m.zero_()
+        saved.clear()
+
+    def clip_then_apply():
+        restore()
+        groups = [zero.get_grad_norm_direct(zero.averaged_gradients[i], zero.fp16_groups[i])
+                  for i in range(len(zero.fp16_groups))]
+        if clip > 0:  # (as DeepSpeed's unscale_and_clip_grads; no host sync)
+            norm = combine_grad_norm_groups(groups) / zero.loss_scale
+            factor = torch.clamp((norm + 1e-6) / clip, min=1.0)
+            for parts in zero.averaged_gradients.values():
+                for part in parts:
+                    part.div_(factor)
+        raw[:] = groups
+        saved.clear()
+        saved.update({i: None if m is None else m.clone() for i, m in momenta().items()})
+        ran[0] = False
+        apply()
+
+    def gradient_norm_groups():
+        if not raw:
+            return norm_groups()
+        out = list(raw)
+        raw.clear()
+        return out
+
+    def step(*args, **kwargs):
+        ran[0] = True
+        return inner_step(*args, **kwargs)
+
+    def restore_then_post_step(*args, **kwargs):
+        restore()
+        return post_step(*args, **kwargs)
+
+    zero._apply_muon_to_accumulated_grads = clip_then_apply
+    zero._get_norm_groups = gradient_norm_groups
+    zero._post_step = restore_then_post_step
+    inner.step = step
+
+
+def muon_at_zero12(zero, clip: float) -> None:
+    """The same two corrections at ZeRO-1/2 (`zero`: DeepSpeed's stage-1/2 optimizer). There DeepSpeed
+    orthogonalises inside get_flat_partition, as it cuts each group's reduced gradients into this
+    rank's partition at the accumulation boundary (stage_1_and_2.py:2749), before any norm is known;
+    step() then takes the norm over the updates, clips them, and commits the momentum staged by the
+    orthogonalisation before the inner step (so a dropped update keeps it).
+
+    Here the cut of a Muon group keeps the raw gradient (and the group's full gradients, which the
+    partition views anyway); when step() asks for the norm, it gets the raw gradients' norm, every
+    gradient is clipped by it, and only then does DeepSpeed's own cut orthogonalise the Muon
+    groups (from the clipped full gradients, staging the momentum from the committed one). The
+    commit waits for the inner step."""
+    cut, norm, commit, inner = zero.get_flat_partition, zero.scaled_global_norm, zero._commit_muon_momentum, zero.optimizer
+    inner_step = inner.step
+    pending: dict[int, tuple] = {}  # Muon group -> (its cut's arguments, its full gradients)
+    uncommitted = [False]
+
+    def raw_cut(tensor_list, first_offset, partition_size, dtype, device, param_group_idx, return_tensor_list=False):
+        args = (tensor_list, first_offset, partition_size, dtype, device, param_group_idx, return_tensor_list)
+        if not zero._is_muon_group(tensor_list):
+            return cut(*args)
+        pending[param_group_idx] = (args, list(zero.all_grad_tensors[param_group_idx]))
+        for p in tensor_list:  # (DeepSpeed's cut orthogonalises the tensors flagged use_muon)
+            p.use_muon = False
+        try:
+            return cut(*args)
+        finally:
+            for p in tensor_list:
+                p.use_muon = True
+
+    def clip_then_orthogonalise():
+        zero.groups_lacking_loss_scale.difference_update(pending)  # (raw gradients carry the loss scale)
+        total = norm()
+        if clip > 0:  # (as DeepSpeed's unscale_and_clip_grads)
+            factor = torch.clamp((total / zero.loss_scale + 1e-6) / clip, min=1.0)
+            for i, parts in zero.averaged_gradients.items():
+                if i not in pending and parts is not None:
+                    for part in parts:
+                        part.div_(factor)
+            for _, full in pending.values():
+                for grad in full:
+                    grad.div_(factor)
+        for i, (args, full) in pending.items():
+            zero.all_grad_tensors[i] = full
+            zero.averaged_gradients[i] = cut(*args)
+            zero.all_grad_tensors[i] = None
+        pending.clear()
+        return total
+
+    def commit_later():
+        uncommitted[0] = True
+
+    def step(*args, **kwargs):
+        if uncommitted[0]:
+            commit()
+            uncommitted[0] = False
+        return inner_step(*args, **kwargs)
+
+    zero.get_flat_partition = raw_cut
+    zero.scaled_global_norm = clip_then_orthogonalise
+    zero._commit_muon_momentum = commit_later
+    inner.step = step
+
+
 def engine_zero_stage(cfg: Config, precision: str) -> int:
     """The ZeRO stage the engine runs: the configured one, except that bf16 at stage 0 runs as stage
     1. DeepSpeed's stage-0 bf16 path (FP16_UnfusedOptimizer) accumulates gradients in bf16 and checks
@@ -78,11 +258,16 @@ def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict:
                     stage3_gather_16bit_weights_on_model_save=False)
     if d.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if cfg.optimizer.name == "muon":
+        # Muon orthogonalises whole matrices, so ZeRO all-reduces gradients and gathers each one
+        # instead of reduce-scattering them; DeepSpeed refuses reduce_scatter with it (stage3.py:360).
+        zero["reduce_scatter"] = False
+    clip = 0.0 if trainer_clips(cfg, precision) or muon_clips_itself(cfg, precision) else cfg.optimizer.grad_clip
     return {
         "train_batch_size": cfg.global_batch(dp_size) * d.sequence_parallel,  # (micro x accumulation x ranks)
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum(dp_size),
-        "gradient_clipping": 0.0 if trainer_clips(cfg, precision) else cfg.optimizer.grad_clip,
+        "gradient_clipping": clip,
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
         **({"data_types": {"grad_accum_dtype": d.grad_dtype}, "communication_data_type": d.grad_dtype}
@@ -139,12 +324,18 @@ def build_model(args: ModelArgs, cfg: Config, ds_config: dict, seed: int) -> Tra
 
 
 def build_engine(model: Transformer, cfg: Config, ds_config: dict, device: torch.device):
-    """deepspeed.initialize with our AdamW. No LR scheduler: the trainer sets each step's rate
+    """deepspeed.initialize with our optimizer (pretrain/optim.py). No LR scheduler: the trainer sets each step's rate
     (pretrain/schedule.py)."""
     import deepspeed
 
     optimizer = build_optimizer(model, cfg.optimizer, device)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    zero = ds_config["zero_optimization"]
+    if cfg.optimizer.name == "muon" and zero["stage"] > 0 and "offload_optimizer" not in zero:
+        if hasattr(engine.optimizer, "_prepare_muon_updates"):  # (DeepSpeed's BF16_Optimizer: bf16_optimizer())
+            muon_at_bf16(engine.optimizer)
+        else:
+            (muon_at_zero3 if zero["stage"] == 3 else muon_at_zero12)(engine.optimizer, cfg.optimizer.grad_clip)
     check_rope_table(engine.module)
     return engine
 

@@ -13,8 +13,9 @@ import torch
 from helpers import REPO, TINY, free_port, train_env
 from pretrain.cli import main
 from pretrain.config import load_config
-from pretrain.estimate import (Assumptions, activation_bytes, comm_bytes, estimate, fit_hint, largest_layer_params,
-                               model_state_bytes, report, sequence_exchange_bytes)
+from pretrain.estimate import (Assumptions, activation_bytes, allreduced_params, comm_bytes, estimate, fit_hint,
+                               largest_layer_params, model_state_bytes, muon_matrices, muon_step, newton_schulz_flops,
+                               report, sequence_exchange_bytes)
 from pretrain.model.args import PRESETS, ModelArgs
 from pretrain.model.model import Transformer, num_params
 from pretrain.parallelize import apply_activation_checkpointing
@@ -232,6 +233,77 @@ def test_model_states_and_communication_follow_zero():
     assert comm_bytes(n, 3, 1, 4, 2) == 0
 
 
+def test_newton_schulz_flops_are_deepspeeds():
+    """The matmul FLOPs torch's FlopCounterMode counts in DeepSpeed's two iterations (5 steps), wide,
+    tall and square, against newton_schulz_flops."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from deepspeed.runtime.zero.muon import original_muon
+
+    for method, fn in (("gram", original_muon.zeropower_via_gram_newtonschulz),
+                       ("standard", original_muon.zeropower_via_newtonschulz5)):
+        fn = getattr(fn, "_torchdynamo_orig_callable", fn)  # DeepSpeed wraps them in torch.compile
+        for shape in ((32, 96), (96, 32), (48, 48), (40, 56)):
+            with FlopCounterMode(display=False) as counter:
+                fn(torch.randn(*shape), steps=5)
+            assert counter.get_total_flops() == newton_schulz_flops(*shape, method), (method, shape)
+    assert newton_schulz_flops(64, 320) == 8 * 64**2 * 320 + 28 * 64**3
+    assert newton_schulz_flops(64, 320, "standard") == 5 * (4 * 64**2 * 320 + 2 * 64**3)
+
+
+def test_muon_costs_follow_our_zero3_step():
+    """Muon's state, traffic and Newton-Schulz work by the rule of our ZeRO-3 step (pretrain/muon.py;
+    measured on 2 ranks in test_muon_states_and_traffic_are_what_deepspeed_allocates_and_sends and
+    tests/test_muon.py test_muon_step_spreads_newton_schulz_and_sends_its_share): one momentum
+    instead of two Adam moments; each matrix orthogonalised by one owner, its slices sent there and
+    back by all-to-all."""
+    n = 1_000_000
+    assert model_state_bytes(n, 3, 8, "bf16", muon=600_000)["optimizer"] == (12 * n - 4 * 600_000) / 8
+    assert model_state_bytes(n, 3, 8, "bf16", "bf16", muon=600_000)["optimizer"] == (12 * n - 6 * 600_000) / 8
+    assert model_state_bytes(n, 0, 2, "fp32", muon=600_000)["optimizer"] == 8 * n - 4 * 600_000
+    # 4 blocks of seven 256 x 256 matrices (MHA, hidden 256): one group, 28 equal matrices.
+    square = ModelArgs(dim=256, n_layers=4, n_heads=4, ffn_hidden_dim=256, vocab_size=512)
+    M, c = 28 * 256**2, 4
+    # 7 ranks: 4 matrices each, whatever the bucket; each rank sends 2 c per slice, a slice of each
+    # of the 24 matrices it does not own and 6 of each of its 4: 4 M c (n-1)/n^2, slices padded to
+    # ceil(256^2 / 7) elements.
+    for bucket in (256**2, 7 * 256**2):
+        step = muon_step(square, 3, 7, bucket, c)
+        assert step["params"] == M and step["flops_total"] == 28 * newton_schulz_flops(256, 256)
+        assert step["flops"] == step["flops_total"] / 7
+        assert step["comm"] == 2 * c * -(-256**2 // 7) * (24 + 4 * 6) == pytest.approx(4 * M * c * 6 / 49, rel=1e-4)
+    # 8 ranks: 28 = 4 x 4 + 4 x 3; the busiest owns 4 matrices: (24 + 4 x 7) slices of 256^2 / 8.
+    eight = muon_step(square, 3, 8, 256**2, c)
+    assert eight["flops"] == 4 * newton_schulz_flops(256, 256)
+    assert eight["comm"] == 2 * c * 256**2 / 8 * (24 + 4 * 7)
+    # Unequal matrices: the owners balance Newton-Schulz work, largest first (GQA, hidden 704).
+    gqa = ModelArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512)
+    step = muon_step(gqa, 3, 2, 256**2, c)
+    largest = max(newton_schulz_flops(m, k) for g in muon_matrices(gqa) for m, k in g)
+    assert step["flops_total"] / 2 <= step["flops"] <= step["flops_total"] / 2 + largest
+    assert step["comm"] == pytest.approx(4 * step["params"] * c / 4, rel=0.1)
+    assert muon_step(square, 3, 1, 256**2, c)["comm"] == muon_step(square, 0, 7, 256**2, c)["comm"] == 0
+    assert muon_step(square, 0, 7, 256**2, c)["flops"] == eight["flops_total"]  # no ZeRO: every rank, every matrix
+    # reduce_scatter=false: gradients that fit a bucket are all-reduced (2x), larger ones reduce-scattered.
+    assert allreduced_params(square, 256**2) == num_params(square) - 2 * 512 * 256
+    # The whole estimate: same gathers, the all-reduced gradients once more per micro-batch, the
+    # step's time on top, and the optimizer state of the Muon matrices 8 bytes lighter.
+    base = ["model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4", "model.ffn_hidden_dim=256",
+            "model.vocab_size=512", "distributed.zero_stage=3", "train.global_batch_size=256"]
+    e = {o: estimate(cfg := load_config(TINY, base + [f"optimizer.name={o}"]), cfg.model, Assumptions(gpus=8))
+         for o in ("adamw", "muon")}
+    k, g = e["muon"]["grad_accum"], 4
+    assert e["muon"]["comm_gib_per_gpu"] - e["adamw"]["comm_gib_per_gpu"] == pytest.approx(
+        k * 7 / 8 * g * allreduced_params(square, 256**2) / 2**30)
+    step = muon_step(square, 3, 8, 256**2, g)
+    assert e["muon"]["muon"]["step_comm_gib_per_gpu"] == pytest.approx(step["comm"] / 2**30)
+    assert e["muon"]["step_s"] == pytest.approx(max(e["muon"]["compute_s"], e["muon"]["comm_s"])
+                                                + e["muon"]["optimizer_step_s"])
+    assert e["adamw"]["memory_parts_gib"]["optimizer"] - e["muon"]["memory_parts_gib"]["optimizer"] == \
+        pytest.approx(8 * M / 8 / 2**30 - 4 * M / 8 / 2**30)
+    assert "optimizer_step" not in e["adamw"]["memory_parts_gib"] and e["adamw"]["optimizer_step_s"] == 0
+    assert "Muon step (once per step" in report(e["muon"]) and "Muon step" not in report(e["adamw"])
+
+
 @pytest.mark.parametrize("gpus", [8, 64])
 @pytest.mark.parametrize("preset", ["125m", "1b", "7b"])
 def test_model_states_match_deepspeeds_estimators(preset, gpus):
@@ -272,41 +344,101 @@ def test_largest_layer_is_deepspeeds():
 CENSUS = r"""
 import gc, json, sys
 import torch
+import deepspeed.comm as dcomm
 from pretrain import distributed
 env = distributed.init("gloo")
 from pretrain.config import load_config
-from pretrain.estimate import largest_layer_params, model_state_bytes
+from pretrain.estimate import allreduced_params, largest_layer_params, model_state_bytes, muon_step
 from pretrain.model.model import num_params
-from pretrain.parallelize import build_engine, build_model, deepspeed_config
+from pretrain.parallelize import build_engine, build_model, deepspeed_config, zero_sizes
 
-stage, grad_dtype = int(sys.argv[1]), sys.argv[2]
+stage, grad_dtype, optimizer = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+n = env.world_size
 cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [
     "model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=4096",
-    "model.max_seq_len=64", "data.seq_len=64", "train.micro_batch_size=1", "train.global_batch_size=2",
-    "train.precision=bf16", f"distributed.zero_stage={stage}", f"distributed.grad_dtype={grad_dtype}"])
-ds = deepspeed_config(cfg, 2, "bf16")
+    "model.max_seq_len=64", "data.seq_len=64", "train.micro_batch_size=1", f"train.global_batch_size={n}",
+    "train.precision=bf16", f"distributed.zero_stage={stage}", f"distributed.grad_dtype={grad_dtype}",
+    f"optimizer.name={optimizer}"])
+ds = deepspeed_config(cfg, n, "bf16")
 engine = build_engine(build_model(cfg.model, cfg, ds, seed=0), cfg, ds, env.device)
+
+# Bytes out of each collective DeepSpeed runs (ZeRO-3's all-reduces of small buckets, reduce-scatters
+# of larger ones, Muon's all-gathers), by phase.
+counted_bytes, phase, during, a2a = {}, ["backward"], [0], [0]
+
+
+def counted(name, nbytes):
+    def call(*args, **kwargs):
+        key = (phase[0], name)
+        counted_bytes[key] = counted_bytes.get(key, 0) + nbytes(*args)
+        if key == ("last step", "all_to_all_single"):
+            a2a[0] += 1
+            if a2a[0] == 2:  # Muon's first all-to-all back (a w1's, the largest matrix, owned by rank 0)
+                during[0] = tensor_bytes()
+        return original(*args, **kwargs)
+    original = getattr(dcomm, name)
+    setattr(dcomm, name, call)
+
+
+size = lambda t: t.numel() * t.element_size()
+counted("all_reduce", lambda t, *a: size(t))
+counted("reduce_scatter_fn", lambda out, inp, *a: size(inp))
+counted("all_gather_into_tensor", lambda out, inp, *a: size(out))
+counted("all_gather", lambda outs, inp, *a: sum(size(o) for o in outs))
+counted("all_to_all_single", lambda out, inp, outs, ins, group=None, *a: (sum(ins) - ins[dcomm.get_rank(group)])
+        * inp.element_size())  # (sent to the other ranks)
 
 
 def tensor_bytes():
     gc.collect()
-    storages = {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes()
-                for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+    storages = {}
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor):
+            try:
+                storages[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+            except RuntimeError:  # torch.compile's fake tensors (DeepSpeed compiles muon_update)
+                pass
     return sum(storages.values())
 
 
 alive = []
 tokens = torch.randint(0, 4096, (1, 64), generator=torch.Generator().manual_seed(0))
-for _ in range(2):
+for i in range(2):  # two steps of one micro-batch: Muon's momentum and AdamW's moments exist after the first
+    phase[0] = "backward"
     engine.backward(engine(tokens, tokens))
     alive.append(tensor_bytes())
+    phase[0] = "last step" if i else "step"
     engine.step()
     alive.append(tensor_bytes())
-states = model_state_bytes(num_params(cfg.model), stage, 2, "bf16", grad_dtype, largest_layer_params(cfg.model))
+args, sizes = cfg.model, zero_sizes(cfg)
+muon = muon_step(args, stage, n, sizes["reduce_bucket_size"], 4 if grad_dtype == "fp32" else 2) \
+    if optimizer == "muon" else {"params": 0, "comm": 0, "transient": 0}
+states = model_state_bytes(num_params(args), stage, n, "bf16", grad_dtype, largest_layer_params(args), muon["params"])
 states.pop("gathered", None)  # transient, inside backward
+adamw = dict(model_state_bytes(num_params(args), stage, n, "bf16", grad_dtype), gathered=0)
+sent = {}
+for (when, name), v in counted_bytes.items():  # per step
+    sent[f"{when.split()[-1]} {name}"] = sent.get(f"{when.split()[-1]} {name}", 0) + v / 2
 if env.rank == 0:
-    print("RESULT " + json.dumps({"measured": max(alive), "predicted": sum(states.values())}))
+    print("RESULT " + json.dumps({"measured": max(alive), "predicted": sum(states.values()),
+                                  "adamw": sum(adamw.values()), "sent": sent, "muon_comm": muon["comm"],
+                                  "allreduced": allreduced_params(args, sizes["reduce_bucket_size"]),
+                                  "during": during[0], "transient": muon["transient"]}))
 """
+
+
+def census(nproc: int, stage: int, grad_dtype: str, optimizer: str) -> dict:
+    script = f"from pathlib import Path\nREPO = Path({str(REPO)!r})\n" + CENSUS
+    with tempfile.NamedTemporaryFile("w", suffix=".py") as f:
+        f.write(script)
+        f.flush()
+        launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                                                      str(nproc), "--master_port", str(free_port())]
+        proc = subprocess.run([*launch, f.name, str(stage), grad_dtype, optimizer],
+                              cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(lines[0][len("RESULT "):])
 
 
 @pytest.mark.slow
@@ -315,17 +447,35 @@ def test_model_states_are_what_deepspeed_allocates(stage, grad_dtype):
     """Two ranks, bf16, a 5M-parameter model: every tensor alive after backward and after the step
     (parameters, gradients, DeepSpeed's flat buffers, optimizer state; activations are gone by
     then), counted once per storage, against the model states the estimate predicts."""
-    script = f"from pathlib import Path\nREPO = Path({str(REPO)!r})\n" + CENSUS
-    with tempfile.NamedTemporaryFile("w", suffix=".py") as f:
-        f.write(script)
-        f.flush()
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                               "--master_port", str(free_port()), f.name, str(stage), grad_dtype],
-                              cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    r = json.loads(lines[0][len("RESULT "):])
+    r = census(2, stage, grad_dtype, "adamw")
     assert r["measured"] == pytest.approx(r["predicted"], rel=0.02), r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_muon_states_and_traffic_are_what_deepspeed_allocates_and_sends(nproc):
+    """optimizer.name=muon, ZeRO-3, bf16 with fp32 gradients, the model above (2.9M of its 5.0M
+    parameters on Muon): the tensors alive after each step against the model states with one fp32
+    momentum instead of two Adam moments (AdamW's 12 bytes for every parameter would be 10-15% off);
+    and the bytes of each collective: per micro-batch, gradients that fit the reduce bucket (D^2)
+    all-reduced and larger ones reduce-scattered; per step, our Muon step's all-to-alls (pretrain/muon.py:
+    gradient and momentum slices to each matrix's owner, update and momentum slices back)."""
+    r = census(nproc, 3, "fp32", "muon")
+    assert r["measured"] == pytest.approx(r["predicted"], rel=0.02), r
+    assert r["measured"] != pytest.approx(r["adamw"], rel=0.05), r
+    # At the last step's first all-to-all back (a w1's, 704 x 256, the largest, owned by rank 0): the
+    # step's transient, less muon_update's temporaries (2 of the 5 matrices the estimate allows).
+    temporaries = 2 * 4 * 704 * 256
+    assert r["during"] == pytest.approx(r["predicted"] + r["transient"] - temporaries, rel=0.03), r
+    assert "step all_gather" not in r["sent"]  # (DeepSpeed's Muon step does not run)
+    if nproc == 2:
+        n_total = 5_048_576
+        assert r["sent"]["backward all_reduce"] == 4 * r["allreduced"]
+        assert r["sent"]["backward reduce_scatter_fn"] == 4 * (n_total - r["allreduced"])
+        persistent = 9 * 256 * 2  # the norms (below the persistence threshold), gathered whole after the step
+        assert r["sent"]["step all_gather_into_tensor"] == persistent
+        # Rank 0's all-to-all bytes to rank 1: the estimate's busiest rank (both own half the work).
+        assert r["sent"]["step all_to_all_single"] == pytest.approx(r["muon_comm"], rel=0.05), r
 
 
 def test_estimate_report_and_json(tmp_path, capsys):

@@ -1,8 +1,8 @@
 """muP / CompleteP through the real commands: the groups' rates on the user's path (bf16, ZeRO-3,
 activation checkpointing, 2 ranks, 1024 tokens) and after a resume at another world size, a resume
 with another parametrization refused, the export against transformers and `pretrain eval`, the
-coordinate check (`pretrain mup check`) with its negative controls, and the planner's use of it
-(`scaling lr-sweep`, `scaling plan --parametrization`)."""
+coordinate check (`pretrain mup check`) with its negative controls, with AdamW and with Muon, and
+the planner's use of it (`scaling lr-sweep`, `scaling plan --parametrization`)."""
 
 import json
 import subprocess
@@ -219,6 +219,44 @@ def test_coordinate_check_agrees_with_microsofts(tmp_path):
         print(over[:-1] or "sp", {k: (round(v, 4), round(v - ours["slopes"][k], 6)) for k, v in theirs.items()})
         for key, slope in theirs.items():
             assert slope == pytest.approx(ours["slopes"][key], abs=0.05), (over, key, slope, ours["slopes"][key])
+
+
+MUON = ["optimizer.name=muon", "train.seed=0"]
+
+
+def test_coordinate_check_with_muon_across_width(monkeypatch):
+    """optimizer.name=muon under muP, widths 64-256 (4 seeds, in process: Newton-Schulz at width 512
+    on 2 CPU cores would cost minutes): every |slope| < 0.1 with the Muon groups' rates of
+    pretrain/optim.py (the base's match_adamw rate, then spectral muP). The negative control, run
+    here: sp's rate 0.2 sqrt(fan_in) under muP (growing as sqrt(m)) gives attention-logit slopes of
+    about +0.25 (measured 0.22-0.27, blocks up to +0.25). Checked by hand and left out for time:
+    AdamW's 1/m times sp's rate (shrinking as 1/sqrt(m), what the groups gave before the rule) gave
+    block slopes down to -0.13."""
+    import math
+
+    import pretrain.optim as optim
+    from pretrain import mup as check
+
+    widths = [64, 128, 256]
+    ours = check.check(str(TINY), [*MUP_64, *MUON], widths, [], steps=10, seeds=4)["slopes"]
+    assert max(abs(s) for s in ours.values()) < 0.1, ours
+    monkeypatch.setattr(optim, "muon_lr_scale", lambda shape, base_shape=None: 0.2 * math.sqrt(shape[1]))
+    naive = check.check(str(TINY), [*MUP_64, *MUON], widths, [], steps=10, seeds=4)["slopes"]
+    assert min(naive[f"attn_logits.{i}"] for i in range(4)) > 0.15, naive
+
+
+def test_coordinate_check_with_muon_across_depth():
+    """optimizer.name=muon under CompleteP, depths 2-8 at width 128: every |slope| < 0.1 (Muon's
+    rates take no depth factor, as AdamW's under CompleteP); under muP, which does not scale the
+    residual branches, the top block grows with depth (measured +0.23). Checked by hand: Muon's
+    rates x m_L under CompleteP fail too (attention logits +0.55 to +0.65, block.last +0.48)."""
+    from pretrain import mup as check
+
+    base = ["model.mup_base_dim=64", "model.mup_base_head_dim=32", "model.mup_base_layers=2", *MUON]
+    cp = check.check(str(TINY), ["model.parametrization=completep", *base], [], [2, 4, 8], steps=10, seeds=4)
+    assert max(abs(s) for s in cp["depth_slopes"].values()) < 0.1, cp["depth_slopes"]
+    mup = check.check(str(TINY), ["model.parametrization=mup", *base], [], [2, 4, 8], steps=10, seeds=4)
+    assert mup["depth_slopes"]["block.last"] > 0.15, mup["depth_slopes"]
 
 
 @pytest.mark.parametrize("args,message", [

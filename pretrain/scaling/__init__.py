@@ -3,7 +3,8 @@
 plan.py writes a sweep (run configs + manifest.csv), lr_sweep.py one over learning rates at the
 base model (muP's base rate, docs/mup.md), run.py trains it, results.py reads the finished
 runs' (N, D, loss) points, fit.py fits the IsoFLOP and parametric laws, plot.py draws them;
-ladder.py predicts a downstream task's accuracy (`fit --target TASK/METRIC`).
+ladder.py predicts a downstream task's accuracy (`fit --target TASK/METRIC`), compare.py what one
+ladder trained two ways (AdamW, Muon) differs by.
 """
 
 from __future__ import annotations
@@ -166,6 +167,12 @@ def fit_cli(args) -> None:
     if wrong:
         raise F.FitError(f"the law does not hold for these points ({'; '.join(wrong)}): no N*, D* recommended; "
                          "the fit above is what was found")
+
+
+def compare_cli(args) -> None:
+    from pretrain.scaling.compare import compare_cli as cli
+
+    cli(args)
 
 
 def plot_cli(args) -> None:

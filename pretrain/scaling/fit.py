@@ -174,7 +174,8 @@ def _minimise(start, log_n, log_d, log_l):
 
 
 def parametric(points: list[Point], bootstrap: int = 100, seed: int = 0) -> dict:
-    """The law and, from `bootstrap` resamples, 95% intervals of alpha, beta (and E, A, B)."""
+    """The law and, from `bootstrap` resamples, 95% intervals of alpha, beta (and E, A, B); `samples`:
+    the resamples' laws (for intervals of what is derived from the law: compare.py)."""
     check_points(points)
     if len(points) < 5:
         raise FitError(f"{len(points)} points: the parametric law has 5 parameters and needs more points")
@@ -198,7 +199,7 @@ def parametric(points: list[Point], bootstrap: int = 100, seed: int = 0) -> dict
     intervals = {k: [float(np.percentile([s[k] for s in samples], 2.5)),
                      float(np.percentile([s[k] for s in samples], 97.5))] for k in law} if samples else {}
     predicted = np.array([predict(law, p.params, p.tokens) for p in points])
-    return {"law": law, "intervals": intervals, "objective": float(best[0]),
+    return {"law": law, "intervals": intervals, "samples": samples, "objective": float(best[0]),
             "residuals": (np.log([p.loss for p in points]) - np.log(predicted)).tolist()}
 
 
