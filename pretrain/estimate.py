@@ -46,7 +46,7 @@ of the weights for gathers and of distributed.grad_dtype for gradients (fp32 by 
 communication overlapped with compute (DeepSpeed's overlap_comm) a step takes about the longer of
 the two; where communication is longer, more GPUs stop paying.
 
-Muon (optimizer.name=muon; ZeRO-3, or stage 0 in fp32), checked on 1 and 2 CPU ranks (allocations,
+Muon (optimizer.name=muon) at ZeRO-3, checked on 1 and 2 CPU ranks (allocations,
 the step's transient and the bytes of every collective, tests/test_estimate.py): its matrices hold
 the fp32 master and one momentum in the gradients' reduction dtype instead of two Adam moments;
 reduce_scatter=false (DeepSpeed's, under Muon) all-reduces (2x) the gradients of the parameters
@@ -55,6 +55,8 @@ and not overlapped, our ZeRO-3 step (pretrain/muon.py) sends each matrix's gradi
 slices to its owner rank by an all-to-all, the owner orthogonalises it (Newton-Schulz, 5 steps;
 FLOPs counted from DeepSpeed's iteration, at the assumed MFU; owners balance them) and a second
 all-to-all returns the update and momentum slices: about 4 M c (n-1)/n^2 bytes per GPU (muon_step).
+At ZeRO 0-2 each rank is counted as orthogonalising every matrix (DeepSpeed's stage-1/2 path does
+those of its own partition, so an upper bound) with no step traffic; not checked there.
 
 Ulysses' all-to-alls, per GPU per layer per micro-batch: forward sends (N-1)/N of the rank's
 q, k, v (k and v r times) and of the attention output, T/N tokens each; backward sends their
