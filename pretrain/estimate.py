@@ -167,14 +167,19 @@ def model_state_bytes(n_params: int, stage: int, world: int, precision: str, gra
             "gathered": (2 * p + (a if a != p else 0)) * largest_layer}
 
 
+def block_matrices(args: ModelArgs) -> list[tuple[int, int]]:
+    """A block's matrices, (fan_out, fan_in): wq wk wv wo w1 w2 w3."""
+    qd, kvd, D, F = args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.dim, args.hidden_dim
+    return [(qd, D), (kvd, D), (kvd, D), (D, qd), (F, D), (D, F), (F, D)]
+
+
 def muon_matrices(args: ModelArgs) -> list[list[tuple[int, int]]]:
     """The matrices Muon steps, (fan_out, fan_in), in the order ZeRO-3 steps them: one optimizer group
     per fan-in (optim.muon_param_groups), in the order the model first has it, each group's
     matrices in the model's order (wq wk wv wo w1 w2 w3 per block)."""
-    qd, kvd, D, F = args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.dim, args.hidden_dim
     groups: dict[int, list] = {}
     for _ in range(args.n_layers):
-        for shape in ((qd, D), (kvd, D), (kvd, D), (D, qd), (F, D), (D, F), (F, D)):
+        for shape in block_matrices(args):
             groups.setdefault(shape[1], []).append(shape)
     return list(groups.values())
 
@@ -246,8 +251,8 @@ def allreduced_params(args: ModelArgs, bucket: int) -> int:
     """Parameters whose gradients ZeRO-3 all-reduces rather than reduce-scatters under
     reduce_scatter=false (Muon): those that fit its reduce bucket (stage3.py:1673); a larger one
     is reduced alone, and still reduce-scattered."""
-    qd, kvd, D, F = args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.dim, args.hidden_dim
-    block = [D * qd, D * kvd, D * kvd, qd * D, D * F, F * D, D * F, D, D]
+    D = args.dim
+    block = [m * k for m, k in block_matrices(args)] + [D, D]  # (and the two norms)
     sizes = block * args.n_layers + [D, args.vocab_size * D] + ([] if args.tie_embeddings else [args.vocab_size * D])
     return sum(x for x in sizes if x <= bucket)
 

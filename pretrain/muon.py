@@ -110,7 +110,7 @@ def _batch(zero, items, owner, n, rank, pg, dtype, muon_update, dist) -> None:
         send[o + parts[k]:o + 2 * parts[k]].copy_(momentum(k))
         o += 2 * parts[k]
     recv = torch.empty(n * width, dtype=dtype, device=send.device)
-    _all_to_all(dist, recv, send, [width] * n, splits, pg, n)
+    dist.all_to_all_single(recv, send, [width] * n, splits, group=pg)  # (at n = 1 a copy)
     slots = recv.view(n, width)  # row r: rank r's slices of the matrices this rank owns
     o = 0
     for k in mine:
@@ -125,7 +125,7 @@ def _batch(zero, items, owner, n, rank, pg, dtype, muon_update, dist) -> None:
             padded[:numel].copy_(x.reshape(-1))
             slots[:, at:at + pn].copy_(padded.view(n, pn))
         o += 2 * pn
-    _all_to_all(dist, send, recv, splits, [width] * n, pg, n)
+    dist.all_to_all_single(send, recv, splits, [width] * n, group=pg)
     o = 0
     for k in order:  # this rank's slices of the updates and the new momenta
         i, j, p = items[k]
@@ -136,6 +136,3 @@ def _batch(zero, items, owner, n, rank, pg, dtype, muon_update, dist) -> None:
         momentum(k).copy_(send[o + pn:o + 2 * pn])
         o += 2 * pn
 
-
-def _all_to_all(dist, out, inp, out_splits, in_splits, pg, n) -> None:
-    dist.all_to_all_single(out, inp, out_splits, in_splits, group=pg)  # (at n = 1 a copy)
