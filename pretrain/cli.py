@@ -305,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         from pretrain.train import StopSignal
 
         args.stop = StopSignal()
+        import faulthandler
+
+        faulthandler.enable()  # a rank that crashes in native code (SIGSEGV, SIGABRT) prints its Python stack
     try:
         code = args.fn(args)
     except ConfigError as e:

@@ -108,6 +108,7 @@ def init(backend: str = "auto", timeout_s: float = 1800.0) -> Dist:
         # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce at init (a minute or
         # more on a small machine) that only inference uses; marking it incompatible skips the build.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    own_compile_cache(local_rank)
     if "RANK" not in os.environ:  # a plain `python -m pretrain train`: a group of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
@@ -230,6 +231,19 @@ def keep_freed_memory() -> None:
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     mallopt(M_MMAP_THRESHOLD, 2**31 - 1)  # a logits tensor is over glibc's 32 MiB dynamic cap
     mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+
+
+def own_compile_cache(local_rank: int) -> None:
+    """Give each rank of a node its own inductor cache (train.compile), unless the user named one.
+    By default every process of a user shares /tmp/torchinductor_<user>, and the ranks of a run
+    compile the same graphs at the same moment: a rank that loads a compiled kernel another rank is
+    still writing can crash (CI: a SIGSEGV in one of two ranks during the first compiled backward;
+    pytorch#92664, #153791 report such races). Per rank, later runs still reuse the cache."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        return
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(), f"rank{local_rank}")
 
 
 def _free_port() -> int:

@@ -34,7 +34,7 @@ def free_port() -> int:
 def train_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", WANDB_SILENT="true", TOKENIZERS_PARALLELISM="false",
-               PYTHONWARNINGS="ignore")
+               PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
     env.pop("WANDB_API_KEY", None)
