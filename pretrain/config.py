@@ -118,6 +118,8 @@ class DistributedConfig:
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU (0 = from the device type)
     timeout_s: float = 1800.0  # a collective (NCCL, gloo) waiting this long for a peer fails the run
     sequence_parallel: int = 1  # Ulysses: each sequence split over this many ranks (divides the world, n_heads and seq_len; docs/long_context.md)
+    tensor_parallel: int = 1  # AutoTP: each block's matrices split over this many consecutive ranks (one node's GPUs), which read the same batch (divides the world, n_heads, n_kv_heads and the FFN width; docs/performance.md)
+    hpz: bool = False  # ZeRO++ hierarchical partitioning (ZeRO-3, more than one node): a second copy of the 16-bit weights sharded within each node, so the forward and backward gathers never leave it (docs/performance.md)
 
 
 @dataclass
@@ -272,9 +274,29 @@ class Config:
             if self.data.seq_len % sp:
                 out.append(f"distributed.sequence_parallel={sp} does not divide data.seq_len={self.data.seq_len}: "
                            "each rank holds seq_len / sequence_parallel tokens")
+        tp = d.tensor_parallel
+        if tp < 1:
+            out.append(f"distributed.tensor_parallel={tp} must be >= 1 (1 = off)")
+        elif tp > 1:
+            m = self.model
+            for name, size in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads),
+                               ("the FFN width (model.ffn_hidden_dim)", m.hidden_dim)):
+                if size % tp:
+                    out.append(f"distributed.tensor_parallel={tp} does not divide {name}={size}: each rank holds "
+                               f"1/{tp} of it (use one of {_divisor_hint(size)})")
+            if sp > 1:
+                out.append("distributed.tensor_parallel and distributed.sequence_parallel do not combine yet (both "
+                           "would take each node's consecutive ranks): use one of them")
+        if d.hpz and d.zero_stage != 3:
+            out.append(f"distributed.hpz=true partitions ZeRO-3's weights within each node, but distributed.zero_stage="
+                       f"{d.zero_stage}: use zero_stage=3 or hpz=false")
+        if d.hpz and tp > 1:
+            out.append("distributed.hpz and distributed.tensor_parallel do not combine yet (hpZ's node groups span "
+                       "the whole world, not the data-parallel ranks): use one of them")
         if world_size is not None and not out:
+            name, sp = ("tensor_parallel", tp) if tp > 1 else ("sequence_parallel", sp)  # (the ranks reading one batch)
             if world_size % sp:
-                out.append(f"distributed.sequence_parallel={sp} does not divide the world size {world_size}: "
+                out.append(f"distributed.{name}={sp} does not divide the world size {world_size}: "
                            f"use one of {_divisor_hint(world_size)}")
                 return out
             dp = world_size // sp
@@ -283,7 +305,7 @@ class Config:
             except ConfigError as e:
                 out.append(str(e))
             if self.data.num_streams % dp:
-                what = "world size" if sp == 1 else "data-parallel size"
+                what = "world size" if sp == 1 else "data-parallel size"  # (sp: the ranks reading one batch)
                 out.append(f"data.num_streams={self.data.num_streams} is not divisible by the {what} "
                            f"{dp}: set data.num_streams to a multiple of it (it is fixed for a run)")
         return out
@@ -306,7 +328,8 @@ class Config:
         """Micro-batches per rank per optimizer step; raises ConfigError if the batch does not divide."""
         gb, mb = self.global_batch(dp_size), self.train.micro_batch_size
         if gb % (mb * dp_size):
-            what = "world size" if self.distributed.sequence_parallel == 1 else "data-parallel size"
+            d = self.distributed
+            what = "world size" if d.sequence_parallel == d.tensor_parallel == 1 else "data-parallel size"
             raise ConfigError(
                 f"global batch of {gb} sequences is not divisible by micro_batch_size {mb} x {what} "
                 f"{dp_size}: pick a global batch that is a multiple of {mb * dp_size}")
