@@ -98,7 +98,7 @@ def engine(cfg: Config, args: ModelArgs, env: distributed.Dist, precision: str, 
     if launcher_stage and int(launcher_stage) != cfg.distributed.zero_stage:
         log.info("note: the accelerate config says zero_stage %s; this run uses distributed.zero_stage=%d "
                  "from the run config", launcher_stage, cfg.distributed.zero_stage)
-    ds_config = deepspeed_config(cfg, env.world_size, precision)
+    ds_config = deepspeed_config(cfg, env.world_size, precision, env.local_size)
     model = build_model(args, cfg, ds_config, seed=cfg.train.seed)
     if init_weights_from is not None:
         load_weights(model, init_weights_from, env, zero3=cfg.distributed.zero_stage == 3)

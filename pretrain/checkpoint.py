@@ -3,8 +3,10 @@ choice of where a run starts (fresh, resume, fine-tune), made in one place.
 
 Layout of run_dir/checkpoints/:
     step_00000200/           one complete checkpoint (the name is only ever given to a complete one)
-        mp_rank_00_model_states.pt, zero_pp_rank_R_mp_rank_00_optim_states.pt   DeepSpeed's shards
-        meta.json            format, step, run id, world size, model shape, ZeRO stage, tokenizer
+        mp_rank_00_model_states.pt, zero_pp_rank_R_mp_rank_T_optim_states.pt   DeepSpeed's shards
+                             (R: data-parallel rank, T: tensor-parallel rank)
+        meta.json            format, step, run id, world size, data- and tensor-parallel sizes, model
+                             shape, ZeRO stage, optimizer, tokenizer
                              fingerprint, package version and git commit
         trainer_state.json   data_state.json   rng_state.json    one file per tracked state
         config.yaml          the resolved run config
@@ -280,6 +282,15 @@ class CheckpointManager:
                 f"checkpoint {ckpt} was saved with ZeRO stage {meta['zero_stage']}, this run uses "
                 f"{self.zero_stage}: set distributed.zero_stage={meta['zero_stage']} to resume "
                 "(checkpoint.init_from loads its weights at any stage)"))
+        saved_tp = meta.get("tensor_parallel", 1)
+        if saved_tp != self.env.tp or (saved_tp > 1 and meta["world_size"] != self.env.world_size):
+            # DeepSpeed 0.19.8's universal conversion fails on AutoTP shards of grouped-query attention
+            # (ds_to_universal: "Rank 0 supplied a shard of 64 elements, but the map describes 0").
+            raise collective(CheckpointError(
+                f"checkpoint {ckpt} was saved at tensor_parallel={saved_tp} on {meta['world_size']} ranks, this run "
+                f"has tensor_parallel={self.env.tp} on {self.env.world_size}: DeepSpeed cannot convert "
+                "tensor-parallel optimizer shards to another layout; resume with the saved layout, or fine-tune "
+                "from it with checkpoint.init_from (its weights load at any layout)"))
         return meta
 
     def _optimizer_name(self) -> str:
@@ -591,7 +602,8 @@ class CheckpointManager:
                 "model_shape": model_shape(self.model_args),
                 "model_function": model_shape(self.model_args, FUNCTION_FIELDS),
                 "model_parametrization": self.model_args.parametrization_spec(),
-                "zero_stage": self.zero_stage, "optimizer": self._optimizer_name(),
+                "zero_stage": self.zero_stage, "optimizer": self._optimizer_name(), "tensor_parallel": self.env.tp,
+                "data_parallel": self.env.dp_size,
                 "fingerprint": {"tokenizer": self.tokenizer_fingerprint},
                 **self.provenance}
         files["meta.json"] = json.dumps(meta, indent=2)
@@ -670,14 +682,41 @@ def partitioned(ckpt: Path) -> bool:
 
 def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     """Full fp32 weights of a checkpoint saved at any world size: partitioned ones by DeepSpeed's own
-    consolidation (the same code as its zero_to_fp32.py), whole ones from the model states file."""
+    consolidation (the same code as its zero_to_fp32.py), whole ones from the model states file.
+    Under tensor parallelism, each tensor-parallel rank's ZeRO shards are consolidated apart and
+    the slices joined along the dimension AutoTP split (parallelize.TP_SPLITS)."""
     if not partitioned(ckpt):
         state = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
         return {k: v.float() for k, v in state["module"].items()}
+    tp = len(list(ckpt.glob("zero_pp_rank_0_mp_rank_*_optim_states.pt")))
+    if tp <= 1:
+        return _zero_consolidated(ckpt)
+    from pretrain.parallelize import tensor_parallel_dim
+
+    slices = [_zero_consolidated(ckpt, tp_rank) for tp_rank in range(tp)]
+    out = {}
+    for name, first in slices[0].items():
+        dim = tensor_parallel_dim(name)
+        out[name] = first if dim is None else torch.cat([s[name] for s in slices], dim=dim)
+    return out
+
+
+def _zero_consolidated(ckpt: Path, tp_rank: int | None = None) -> dict[str, torch.Tensor]:
+    """DeepSpeed's consolidation of ZeRO shards; of one tensor-parallel rank's (which it cannot pick
+    itself: it takes every *_optim_states.pt for a data-parallel shard) through a folder that links
+    that rank's files under tensor-parallel rank 0's names."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    with contextlib.redirect_stdout(io.StringIO()):  # it prints progress lines
-        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(contextlib.redirect_stdout(io.StringIO()))  # it prints progress lines
+        if tp_rank is None:
+            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+        view = Path(stack.enter_context(tempfile.TemporaryDirectory())) / ckpt.name
+        view.mkdir()
+        mine = f"_mp_rank_{tp_rank:02d}_"
+        for f in ckpt.glob(f"*{mine}*.pt"):
+            (view / f.name.replace(mine, "_mp_rank_00_")).symlink_to(f.resolve())
+        return get_fp32_state_dict_from_zero_checkpoint(str(view.parent), tag=view.name)
 
 
 def load_weights(model: torch.nn.Module, ckpt: Path, env: distributed.Dist, zero3: bool) -> None:

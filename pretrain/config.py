@@ -362,6 +362,10 @@ def muon_problems(cfg: "Config") -> list[str]:
         # _apply_muon_updates_cpu_offload) and clips the updates; not corrected (docs/optimizers.md).
         out.append("optimizer.name=muon with distributed.offload_optimizer=true: DeepSpeed's offload path clips the "
                    "Muon update instead of the gradient; turn offload off")
+    if cfg.distributed.tensor_parallel > 1:
+        out.append("optimizer.name=muon with distributed.tensor_parallel > 1: Muon orthogonalises whole matrices and "
+                   "each rank holds a slice of them (pretrain/muon.py gathers over data-parallel ranks only); use "
+                   "adamw or tensor_parallel=1")
     return out
 
 

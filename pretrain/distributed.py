@@ -26,29 +26,39 @@ from pretrain.errors import collective
 
 @dataclass
 class Dist:
-    """This process's place in the run. The parallel layout: world = data-parallel x sequence-parallel
-    (`sp`, distributed.sequence_parallel); a sequence-parallel group is `sp` consecutive ranks (one
-    node's GPUs, where the all-to-all is cheapest), which read the same sequences, each holding T/sp
-    tokens of them. Data (the loader, batch sizes, the data position) is per data-parallel rank;
-    ZeRO shards over every rank."""
+    """This process's place in the run. The parallel layout: world = data-parallel x model-parallel,
+    the model-parallel ranks being either a sequence-parallel group (`sp`, distributed.
+    sequence_parallel: each rank holds T/sp tokens of the group's sequences) or a tensor-parallel
+    group (`tp`, distributed.tensor_parallel: each rank holds 1/tp of every block's matrices), of
+    consecutive ranks (one node's GPUs, where their all-to-alls and all-reduces are cheapest). The
+    ranks of a group read the same sequences: data (the loader, batch sizes, the data position) is
+    per data-parallel rank. ZeRO shards over every rank under sequence parallelism and over the
+    data-parallel ranks of each tensor-parallel slice under tensor parallelism."""
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     sp: int = 1
+    tp: int = 1
+    local_size: int = 1  # ranks on this node (the launcher's LOCAL_WORLD_SIZE)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     @property
+    def group_size(self) -> int:
+        """The consecutive ranks that read the same sequences."""
+        return self.sp * self.tp
+
+    @property
     def dp_size(self) -> int:
         """Data-parallel ranks: the groups that read different sequences."""
-        return self.world_size // self.sp
+        return self.world_size // self.group_size
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.sp
+        return self.rank // self.group_size
 
     @property
     def sp_rank(self) -> int:
@@ -63,6 +73,10 @@ def _env_from_slurm() -> None:
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
     os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    # Tasks on this node: SLURM_TASKS_PER_NODE reads "8(x32)" or "8,4" (the first node first).
+    per_node = os.environ.get("SLURM_NTASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", "").split("(")[0].split(",")[0]
+    if per_node.isdigit():
+        os.environ.setdefault("LOCAL_WORLD_SIZE", per_node)
     if "MASTER_ADDR" not in os.environ:
         import subprocess
 
@@ -128,21 +142,48 @@ def init(backend: str = "auto", timeout_s: float = 1800.0) -> Dist:
         _CPU_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
         # The background checkpoint thread's own group: never interleaved with training collectives.
         _CHECKPOINT_GROUP = dist.new_group(backend="gloo", timeout=timeout)
-    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device,
+                local_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
 
 
 _CPU_GROUP = _CHECKPOINT_GROUP = None
 _DEVICE_TYPE = "cpu"  # the device type of the default group's tensors
 _TIMEOUT = None
-_SEQUENCE_GROUP = None
+_SEQUENCE_GROUP = _DATA_GROUP = None
 
 
-def init_sequence_parallel(env: Dist, size: int) -> Dist:
-    """Split the world into sequence-parallel groups of `size` consecutive ranks (config checks that
-    `size` divides the world) and return `env` with the layout. Each group is on the default backend
-    (NCCL on GPUs: the all-to-all moves device tensors). ZeRO and DeepSpeed see every rank as a
-    data-parallel one (pretrain/parallelize.py)."""
-    global _SEQUENCE_GROUP
+def init_layout(env: Dist, sequence_parallel: int, tensor_parallel: int, hpz: bool = False) -> Dist:
+    """The parallel layout (config checks that it divides the world; at most one of the two is > 1):
+    `env` with its sequence- or tensor-parallel size, and the groups of `size` consecutive ranks.
+    With `hpz` (ZeRO++'s secondary weight partition within each node: DeepSpeed builds its groups of
+    env.local_size consecutive ranks from the config, pretrain/parallelize.py) the world must span
+    several nodes of equal size.
+
+    Sequence-parallel groups are ours, on the default backend (NCCL on GPUs: the all-to-all moves
+    device tensors); ZeRO and DeepSpeed see every rank as a data-parallel one (pretrain/parallelize.py).
+    Tensor-parallel groups are DeepSpeed's (its AutoTP and ZeRO read them from deepspeed.utils.groups):
+    a (data-parallel, tensor-parallel) mesh whose tensor-parallel ranks are consecutive, made here so
+    that the layout has one owner and ZeRO-3's zero.Init, before the engine, shards over the
+    data-parallel ranks; checked against the data's layout (Dist.dp_rank)."""
+    global _SEQUENCE_GROUP, _DATA_GROUP
+    if hpz and (env.local_size >= env.world_size or env.world_size % env.local_size):
+        from pretrain.errors import ConfigError
+
+        raise ConfigError(f"distributed.hpz=true keeps ZeRO-3's gathers inside each node, but this run's "
+                          f"{env.world_size} ranks are on {'one node' if env.local_size >= env.world_size else 'nodes of unequal size'} "
+                          f"({env.local_size} on this one): set distributed.hpz=false")
+    if tensor_parallel > 1:
+        from deepspeed.utils import groups
+
+        groups._init_tp_mesh_device(tensor_model_parallel_size=tensor_parallel)
+        tp_ranks = dist.get_process_group_ranks(groups.get_tensor_model_parallel_group())
+        first = env.rank - env.rank % tensor_parallel
+        if tp_ranks != list(range(first, first + tensor_parallel)):
+            raise RuntimeError(f"DeepSpeed's tensor-parallel group of rank {env.rank} is {tp_ranks}, not the "
+                               f"consecutive ranks the data layout assumes")
+        _DATA_GROUP = groups.get_data_parallel_group()
+        return dataclasses.replace(env, tp=tensor_parallel)
+    size = sequence_parallel
     if size <= 1 or _SEQUENCE_GROUP is not None:
         return dataclasses.replace(env, sp=max(size, 1))
     for first in range(0, env.world_size, size):  # every rank creates every group, in the same order
@@ -151,6 +192,12 @@ def init_sequence_parallel(env: Dist, size: int) -> Dist:
         if env.rank in ranks:
             _SEQUENCE_GROUP = group
     return dataclasses.replace(env, sp=size)
+
+
+def data_parallel_group():
+    """The ranks ZeRO shards over and averages gradients across: DeepSpeed's data-parallel group
+    under tensor parallelism, else None (the world)."""
+    return _DATA_GROUP
 
 
 def sequence_group():
@@ -344,7 +391,7 @@ def barrier() -> None:
 
 
 def shutdown() -> None:
-    global _SEQUENCE_GROUP
-    _SEQUENCE_GROUP = None
+    global _SEQUENCE_GROUP, _DATA_GROUP
+    _SEQUENCE_GROUP = _DATA_GROUP = None
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -59,7 +59,7 @@ def _config(model_path: Path, is_hf: bool, config: str | None, overrides: list[s
 def evaluate(model, tokenizer, cfg, env, batches: int = 0, micro_batch_size: int = 0, trained_world: int = 1,
              by_position: int = 0) -> dict:
     """{"loss", "perplexity", "bits_per_byte", "tokens", "bytes", "sequences"} over this world;
-    `batches` global batches of the run that trained the model at `trained_world` ranks.
+    `batches` global batches of the run that trained the model at `trained_world` data-parallel ranks.
 
     `by_position` = N > 0 adds "by_position": for each bucket of N positions of the window ([0, N),
     [N, 2N), ..., the last one shorter if N does not divide data.seq_len), {"start", "end" (positions,
@@ -201,7 +201,8 @@ def _eval(args, env) -> None:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is longer than the model's max_seq_len "
                           f"{model.args.max_seq_len}: lower data.seq_len, or raise model.max_seq_len (the RoPE "
                           "table, no weight)")
-    result = evaluate(model, tokenizer, cfg, env, args.batches, args.micro_batch_size, meta.get("world_size", 1),
+    trained_dp = meta.get("data_parallel", meta.get("world_size", 1))  # (not recorded before tensor parallelism)
+    result = evaluate(model, tokenizer, cfg, env, args.batches, args.micro_batch_size, trained_dp,
                       args.by_position)
     result = {"model": str(path), "world_size": env.world_size, "dtype": args.dtype,
               **({"model_overrides": rope} if rope else {}), **result}

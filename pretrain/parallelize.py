@@ -236,9 +236,10 @@ def engine_zero_stage(cfg: Config, precision: str) -> int:
     return 1 if stage == 0 and precision == "bf16" else stage
 
 
-def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict:
+def deepspeed_config(cfg: Config, world_size: int, precision: str, local_size: int = 1) -> dict:
     """The DeepSpeed JSON for this run, from our config: no "auto" values, nothing left to defaults
     that matter (DeepSpeed's gradient_clipping default is 1.0, so it is always written).
+    `local_size`: the ranks per node (hpZ's secondary partition spans them).
 
     DeepSpeed is not told of sequence parallelism: to it every rank is a data-parallel rank with
     micro-batches of its own, ZeRO shards over all of them and averages their gradients, the same at
@@ -248,7 +249,7 @@ def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict:
     summed loss by the group's labels per rank (data_pipeline.sequence_shard), so the mean of the
     group's losses is the mean over all its tokens."""
     d, sizes = cfg.distributed, zero_sizes(cfg)
-    dp_size = world_size // d.sequence_parallel
+    dp_size = world_size // (d.sequence_parallel * d.tensor_parallel)
     zero: dict = {"stage": engine_zero_stage(cfg, precision), "overlap_comm": d.overlap_comm,
                   "contiguous_gradients": True,
                   "reduce_bucket_size": sizes["reduce_bucket_size"]}
@@ -256,6 +257,8 @@ def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict:
         zero.update(stage3_param_persistence_threshold=sizes["param_persistence_threshold"],
                     stage3_prefetch_bucket_size=sizes["prefetch_bucket_size"],
                     stage3_gather_16bit_weights_on_model_save=False)
+    if d.hpz:  # ZeRO++: a second copy of the 16-bit weights sharded over each node's ranks
+        zero["zero_hpz_partition_size"] = local_size
     if d.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if cfg.optimizer.name == "muon":
@@ -264,7 +267,9 @@ def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict:
         zero["reduce_scatter"] = False
     clip = 0.0 if trainer_clips(cfg, precision) or muon_clips_itself(cfg, precision) else cfg.optimizer.grad_clip
     return {
-        "train_batch_size": cfg.global_batch(dp_size) * d.sequence_parallel,  # (micro x accumulation x ranks)
+        # (micro x accumulation x ranks: DeepSpeed checks it against the whole world when it reads the
+        # config, before its tensor-parallel groups exist)
+        "train_batch_size": cfg.global_batch(dp_size) * d.sequence_parallel * d.tensor_parallel,
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum(dp_size),
         "gradient_clipping": clip,
@@ -273,6 +278,7 @@ def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict:
         **({"data_types": {"grad_accum_dtype": d.grad_dtype}, "communication_data_type": d.grad_dtype}
            if precision == "bf16" else {}),
         "fp16": {"enabled": precision == "fp16", "initial_scale_power": 16},
+        **({"tensor_parallel": tensor_parallel_config(d.tensor_parallel)} if d.tensor_parallel > 1 else {}),
         "zero_allow_untested_optimizer": True,
         # Offloaded, the master weights and moments live in host memory and our torch AdamW steps
         # them there (fused on the CPU); DeepSpeed otherwise insists on its CPUAdam, a JIT-built op.
@@ -280,6 +286,32 @@ def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict:
         "steps_per_print": 10**12,  # we log ourselves
         "wall_clock_breakdown": False,
     }
+
+
+# DeepSpeed AutoTP's partition of our blocks, by parameter name (nothing else is split): q, k, v and
+# the SwiGLU's w1, w3 column-split (dim 0: each rank holds n_heads/size query heads and
+# n_kv_heads/size key/value heads, contiguous, so GQA groups stay whole, and hidden_dim/size of the
+# FFN units), wo and w2 row-split (dim 1), their outputs all-reduced over the tensor-parallel group.
+# The embedding, the norms and the LM head stay whole on every rank of the group (ZeRO still shards
+# them over the data-parallel ranks), so every rank computes the TP=1 model's loss.
+TP_SPLITS = {"column": [r".*\.attention\.w[qkv]\.weight$", r".*\.feed_forward\.w[13]\.weight$"],
+             "row": [r".*\.attention\.wo\.weight$", r".*\.feed_forward\.w2\.weight$"]}
+
+
+def tensor_parallel_config(size: int) -> dict:
+    """DeepSpeed's `tensor_parallel` section: AutoTP over `size` ranks with our partition (TP_SPLITS)."""
+    return {"autotp_size": size, "partition_config": {"use_default_specs": False, "layer_specs": [
+        {"patterns": patterns, "partition_type": kind} for kind, patterns in TP_SPLITS.items()]}}
+
+
+def tensor_parallel_dim(name: str) -> int | None:
+    """The dimension along which tensor parallelism splits parameter `name` (None: kept whole)."""
+    import re
+
+    for kind, patterns in TP_SPLITS.items():
+        if any(re.match(p, name) for p in patterns):
+            return 0 if kind == "column" else 1
+    return None
 
 
 def apply_activation_checkpointing(model: Transformer, every: int) -> None:
@@ -308,7 +340,7 @@ def build_model(args: ModelArgs, cfg: Config, ds_config: dict, seed: int) -> Tra
 
     torch.manual_seed(seed)
     if cfg.distributed.zero_stage == 3:
-        with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        with deepspeed.zero.Init(config_dict_or_path=ds_config, data_parallel_group=distributed.data_parallel_group()):
             model = Transformer(args)
         model.reset_rope_table()  # zero.Init built it in bf16 (its patched constructors)
         model.init_weights(gather=lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0))

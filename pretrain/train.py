@@ -115,7 +115,8 @@ def run(config_path: str, overrides: list[str], stop: StopSignal) -> int:
         try:
             cfg.validate(env.world_size)
             faults.from_env(env.world_size)
-            env = distributed.init_sequence_parallel(env, cfg.distributed.sequence_parallel)
+            d = cfg.distributed
+            env = distributed.init_layout(env, d.sequence_parallel, d.tensor_parallel, d.hpz)
             summary = _train(cfg, env, stop)
         except StoppedAtStartup as e:  # every rank alike: the start-up checks are collective
             distributed.barrier()

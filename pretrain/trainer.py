@@ -293,9 +293,14 @@ class Trainer:
                 return self.engine(tokens)
 
             # Task requests are short: each rank scores its own, whole, without the sequence exchange.
+            # A tensor-parallel group runs each forward together: its ranks score the same requests,
+            # and one rank's results per group count.
+            env, gather = self.env, distributed.all_gather_objects
+            rank, world = (env.dp_rank, env.dp_size) if env.tp > 1 else (env.rank, env.world_size)
+            if env.tp > 1:
+                gather = lambda obj: distributed.all_gather_objects(obj)[::env.tp]  # noqa: E731
             with ulysses.local_attention(self.engine.module):
-                results = self.tasks(logits, self.env.device, self.env.rank, self.env.world_size,
-                                     distributed.all_gather_objects)
+                results = self.tasks(logits, env.device, rank, world, gather)
             out.update({f"eval/{task}/{k}": v for task, r in results.items() for k, v in r["metrics"].items()})
             out["eval/tasks_s"] = time.perf_counter() - t0
         self.engine.train()

@@ -143,9 +143,10 @@ class Attention(nn.Module):
         """x (B, T, D), freqs_cis (T or B x T, hd/2, 2); `mask`: None (causal) or a document mask
         (see `document_mask`)."""
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, hd)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KV, hd)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KV, hd)
+        # (-1: under tensor parallelism a rank holds H/tp and KV/tp of the heads)
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, hd)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, KV, hd)
+        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, KV, hd)
         q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
 
         if cache_k is not None:
