@@ -66,7 +66,7 @@ from pretrain.model.model import Transformer
 
 sp = int(sys.argv[1])
 env = distributed.init("gloo")
-env = distributed.init_sequence_parallel(env, sp)
+env = distributed.init_layout(env, sp, 1)
 group = distributed.sequence_group()
 T, B, EOT = 1024, 2, 0
 out = []
