@@ -637,6 +637,36 @@ def test_hpz_gathers_within_the_node_and_keeps_a_secondary_copy():
     assert estimate(on, on.model, a)["comm_s"] == pytest.approx(hpz["comm_s"])
 
 
+def test_70b_config_and_its_layout_at_256_gpus(capsys):
+    """configs/70b.yaml: the Llama 3 70B shape, valid on 32 nodes of 8 GPUs (plain, hpZ or TP 8).
+    At 256 GPUs with 4M-token steps every layout fits; TP 8 needs less memory than plain ZeRO-3
+    (one recomputed block's activations split, 7.5 GiB of peak less) but is slower (its all-reduces
+    and the head computed 8 times, ZeRO's traffic per step no smaller): hpZ, compute-bound, is the
+    fastest. Where the batch does not split over the GPUs (1024: 512 sequences), TP is what fits."""
+    path = REPO / "configs" / "70b.yaml"
+    cfg = load_config(path, [])
+    m = cfg.model
+    assert (m.dim, m.n_layers, m.n_heads, m.kv_heads, m.hidden_dim, m.vocab_size) == (8192, 80, 64, 8, 28672, 128256)
+    assert cfg.data.seq_len == 8192 and cfg.global_batch(256) == 512 and cfg.train.activation_checkpointing
+    for overrides in ([], ["distributed.hpz=true"], ["distributed.tensor_parallel=8"]):
+        load_config(path, overrides).validate(256)
+    e = estimate(cfg, m, Assumptions(gpus=256))
+    assert 70.5e9 < e["params"] < 70.6e9
+    plain, hpz, tp8 = _row(e, "ZeRO-3"), _row(e, "ZeRO-3 + hpZ"), _row(e, "TP 8 + ZeRO-3")
+    assert all(r["fits"] for r in e["parallel_options"])
+    assert tp8["memory_parts_gib"]["activations"] < plain["memory_parts_gib"]["activations"] - 3
+    assert tp8["memory_gib_per_gpu"] < plain["memory_gib_per_gpu"] < hpz["memory_gib_per_gpu"] < 80
+    assert tp8["step_s"] > plain["step_s"] > hpz["step_s"] == pytest.approx(hpz["compute_s"])
+    assert e["recommended"] == "ZeRO-3 + hpZ"
+    wide = load_config(path, ["distributed.tensor_parallel=2"])
+    e = estimate(wide, wide.model, Assumptions(gpus=1024))
+    assert "does not split" in _row(e, "ZeRO-3")["error"] and e["recommended"] == "TP 2 + ZeRO-3"
+    assert main(["estimate", str(path), "--gpus", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "| TP 8 + ZeRO-3 | distributed.tensor_parallel=8 |" in out
+    assert "recommended: ZeRO-3 + hpZ (the fastest that fits: 19.9 s per step): distributed.hpz=true" in out
+
+
 def test_gpus_per_node_bounds_tensor_parallelism(tmp_path):
     out = tmp_path / "e.json"
     assert main(["estimate", str(REPO / "configs" / "7b.yaml"), "--gpus", "64", *SHAPE, "--gpus-per-node", "4",
