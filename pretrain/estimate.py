@@ -177,7 +177,8 @@ def largest_layer_params(args: ModelArgs, tp: int = 1) -> int:
     """Parameters of the largest module (the embedding or the head, else an FFN matrix), which
     ZeRO-3 gathers whole and whose gradient it reduces whole (DeepSpeed's `largest_layer_params`);
     a tensor-parallel rank's slice of a block matrix is 1/tp of it, the embedding and head whole."""
-    return max(args.vocab_size * args.dim, args.dim * args.hidden_dim // tp, args.dim * args.n_heads * args.head_dim // tp)
+    D = args.dim
+    return max(args.vocab_size * D, D * args.hidden_dim // tp, D * args.n_heads * args.head_dim // tp)
 
 
 def model_state_bytes(n_params: int, stage: int, world: int, precision: str, grad_dtype: str = "fp32",
@@ -356,7 +357,9 @@ class Assumptions:
     gbps: float = 400.0  # interconnect bandwidth per GPU, Gbit/s (e.g. one 400G NIC per GPU)
     precision: str = "bf16"
     gpu_memory_gib: float = 80.0  # memory per GPU; rows that need more are marked (H100/A100 80GB)
-    sp_gbps: float = 3600.0  # in-node Gbit/s per GPU (NVLink 4: 450 GB/s): Ulysses' all-to-alls, TP's all-reduces, hpZ's gathers, ZeRO within one node
+    # In-node Gbit/s per GPU (NVLink 4: 450 GB/s): Ulysses' all-to-alls, TP's all-reduces, hpZ's
+    # gathers, ZeRO within one node.
+    sp_gbps: float = 3600.0
     gpus_per_node: int = 8  # GPUs joined by the in-node bandwidth: where TP groups and hpZ's secondary partitions live
 
 
@@ -456,8 +459,9 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
                 "compute_s": compute_s, "comm_gib_per_gpu": comm / GIB, "comm_intra_node_gib_per_gpu": intra / GIB,
                 "comm_inter_node_gib_per_gpu": inter / GIB, "comm_s": comm_s,
                 "all_to_all_mib_per_layer": exchange / 2**20, "all_to_all_gib_per_gpu": a2a / GIB,
-                "all_to_all_s": a2a_s, "tp_allreduce_mib": allreduce / 2**20, "tp_allreduce_gib_per_gpu": tp_bytes / GIB,
-                "tp_allreduce_s": tp_s, "optimizer_step_s": opt_s, "step_s": step_s,
+                "all_to_all_s": a2a_s, "tp_allreduce_mib": allreduce / 2**20,
+                "tp_allreduce_gib_per_gpu": tp_bytes / GIB, "tp_allreduce_s": tp_s, "optimizer_step_s": opt_s,
+                "step_s": step_s,
                 "tokens_per_s": tokens_per_step / step_s, "efficiency": compute_s / step_s,
                 "comm_bound": comm_s > compute_s, **extra}
 
