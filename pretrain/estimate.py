@@ -46,6 +46,7 @@ on CPU by counting the tensors alive; docs/performance.md compares it with DeepS
   input, (8 + 4p) D, whole on every rank; (2p D + 2p KVd + 4 H + 4p F) / t; the head's whole.
 - hpZ (distributed.hpz, ZeRO-3): a secondary copy of the 16-bit weights partitioned over the
   node's GPUs, p x parameters / gpus_per_node.
+  These two, and their communication below, are modelled, not yet checked against a run.
 A row over the GPU's memory (Assumptions.gpu_memory_gib: 80 GiB) is marked as not fitting.
 
 Communication per GPU per step (ring collectives move (n-1)/n of the data through each GPU):
