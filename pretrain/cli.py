@@ -247,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--gbps", type=float, default=400.0, help="interconnect bandwidth per GPU in Gbit/s")
     est.add_argument("--gpu-memory", type=float, default=80.0,
                      help="memory per GPU in GiB: rows that need more are marked (default 80)")
+    est.add_argument("--gpus-per-node", type=int, default=8,
+                     help="GPUs per node, joined by NVLink: tensor parallelism and hpZ stay within one (default 8)")
     est.add_argument("--precision", choices=["bf16", "fp16", "fp32"], help="training precision (default: the "
                      "config's; auto means bf16 on GPUs)")
     est.add_argument("--json", help="also write every figure to this JSON file")

@@ -2,8 +2,10 @@
 
 Parameters and FLOPs per token (the trainer's own PaLM formula), memory per GPU by part, tokens per
 step, step and total time at an assumed MFU, and for planning past one machine the ZeRO
-communication per step and its time at an interconnect bandwidth, over a range of GPU counts, and
-over the sequence-parallel sizes the model allows: which one a sequence length needs to fit.
+communication per step and its time at an interconnect bandwidth, over a range of GPU counts,
+over the sequence-parallel sizes the model allows (which one a sequence length needs to fit), and
+over the layouts of the run's GPUs: ZeRO alone, ZeRO-3 with hpZ, tensor parallelism within a node
+with ZeRO across; the fastest that fits is recommended (parallel_options).
 
 The memory model (bytes, per GPU, n GPUs), what DeepSpeed 0.19 allocates for each setup (measured
 on CPU by counting the tensors alive; docs/performance.md compares it with DeepSpeed's estimators):
@@ -35,6 +37,16 @@ on CPU by counting the tensors alive; docs/performance.md compares it with DeepS
 - DeepSpeed's buffers: the all-reduce of stage 0 and of BF16_Optimizer flattens buckets of up to
   5e8 gradients into a copy; stages 1-3 reduce through a bucket, and ZeRO-3 prefetches weights into
   another.
+- tensor parallelism over t GPUs of a node (distributed.tensor_parallel, AutoTP): each rank holds
+  1/t of every block matrix (wq wk wv w1 w3 split by columns, wo w2 by rows) and the embedding,
+  head and norms whole, and ZeRO shards what it holds over the n/t ranks holding the same slice:
+  the block matrices' states per GPU are what ZeRO over n gives, the rest's t times that. The
+  largest module gathered is 1/t of a block matrix or the whole embedding or head. Activations
+  (Korthikanti et al. 2022, tensor parallelism without sequence parallelism): a block's norms and
+  input, (8 + 4p) D, whole on every rank; (2p D + 2p KVd + 4 H + 4p F) / t; the head's whole.
+- hpZ (distributed.hpz, ZeRO-3): a secondary copy of the 16-bit weights partitioned over the
+  node's GPUs, p x parameters / gpus_per_node.
+  These two, and their communication below, are modelled, not yet checked against a run.
 A row over the GPU's memory (Assumptions.gpu_memory_gib: 80 GiB) is marked as not fitting.
 
 Communication per GPU per step (ring collectives move (n-1)/n of the data through each GPU):
@@ -44,7 +56,22 @@ stage 3 gathers the weights twice (forward, backward) and reduce-scatters once p
 3 k psi; psi = (n-1)/n x parameters x bytes, k the micro-batches per GPU per step, the bytes those
 of the weights for gathers and of distributed.grad_dtype for gradients (fp32 by default under bf16). With
 communication overlapped with compute (DeepSpeed's overlap_comm) a step takes about the longer of
-the two; where communication is longer, more GPUs stop paying.
+the two; where communication is longer, more GPUs stop paying. Traffic among the GPUs of one node
+runs at the in-node bandwidth (Assumptions.sp_gbps, NVLink), among more at the network's
+(Assumptions.gbps, per GPU), the two added. Under hpZ the first forward gather of a step reads the
+primary partition across nodes and builds the secondary; the step's 2k - 1 other gathers stay in
+the node (DeepSpeed drops the secondary at the optimizer step); the reduce-scatters still cross.
+Under tensor parallelism ZeRO's psi counts a rank's parameters over the n/t ranks of its slice,
+and each GPU runs t times the micro-batches (its group shares each), so at a fixed micro-batch
+size the block matrices' traffic per GPU per step is what ZeRO over n moves, and the embedding's
+and head's is t times it: TP's gain under ZeRO-3 is activation memory (a larger micro-batch),
+not traffic.
+
+Tensor parallelism's own all-reduces, per GPU per block per micro-batch: 2 in forward (after wo
+and w2), 2 in backward, 2 in a checkpointed block's recomputation, each 2 (t-1)/t of the
+micro-batch's b T D activations in p bytes, at the in-node bandwidth, between a block's matmuls:
+added to the step. The head, whole on every rank of a group, is computed t times: each GPU's
+compute is (FLOPs + (t-1) 6 V D per token) x tokens / n.
 
 Muon (optimizer.name=muon) at ZeRO-3, checked on 1 and 2 CPU ranks (allocations,
 the step's transient and the bytes of every collective, tests/test_estimate.py): its matrices hold
@@ -86,7 +113,7 @@ def _checkpointed(args: ModelArgs, ac_every: int) -> int:
 
 
 def activation_bytes(args: ModelArgs, tokens: int, p: int, ac_every: int, loss_chunk: int = 0,
-                     sp: int = 1, mlp_chunk: int = 0) -> dict:
+                     sp: int = 1, mlp_chunk: int = 0, tp: int = 1) -> dict:
     """Activation memory of one micro-batch of `tokens` tokens (its whole sequences) in dtype of `p`
     bytes, per rank of a sequence-parallel group of `sp`: what autograd keeps for backward ("saved")
     and the largest transient on top of it ("peak_extra").
@@ -99,13 +126,22 @@ def activation_bytes(args: ModelArgs, tokens: int, p: int, ac_every: int, loss_c
 
     MLP tiles (`mlp_chunk`, train.mlp_chunk_tokens, fewer than the rank's tokens) keep none of the
     MLP's four (tokens, hidden_dim) intermediates for backward; one tile's exist while it is
-    recomputed."""
+    recomputed.
+
+    Under tensor parallelism over `tp` ranks (Megatron's layout without sequence parallelism,
+    Korthikanti et al. 2022) every rank holds all tokens; what lies between a column-split and a
+    row-split matrix is split: queries, keys, values, attention's output and log-sum-exp, the MLP's
+    intermediates (2 p D + 2 p KVd + 4 H + 4 p F per token, divided by tp); the block's input and
+    both norms' tensors (8 D + 4 p D) are whole on every rank, as are the head and the loss."""
     t = tokens // sp  # this rank's tokens
     r = kv_replication(args.kv_heads, sp)
     kvd, qd = args.kv_heads * args.head_dim, args.n_heads * args.head_dim
-    mlp = 4 * p * args.hidden_dim  # per token: w1's and w3's outputs, silu's, their product
+    mlp = 4 * p * args.hidden_dim // tp  # per token: w1's and w3's outputs, silu's, their product
     tiled = 0 < mlp_chunk < t
-    per_layer = (8 + 6 * p) * args.dim + 2 * p * kvd * r + (0 if tiled else mlp) + 4 * args.n_heads
+    # The norms (fp32 input, cast, scaled output: 4 D + 2 p D each) whole; q, the output, k, v and
+    # attention's log-sum-exp split over the tensor-parallel ranks.
+    per_layer = ((8 + 4 * p) * args.dim + (2 * p * args.dim + 2 * p * kvd * r + 4 * args.n_heads) // tp
+                 + (0 if tiled else mlp))
     if sp > 1:
         per_layer += p * qd
     checkpointed = _checkpointed(args, ac_every)
@@ -138,10 +174,12 @@ def sequence_exchange_bytes(args: ModelArgs, tokens: int, p: int, sp: int) -> fl
     return (sp - 1) / sp * (tokens / sp) * heads * args.head_dim * p
 
 
-def largest_layer_params(args: ModelArgs) -> int:
+def largest_layer_params(args: ModelArgs, tp: int = 1) -> int:
     """Parameters of the largest module (the embedding or the head, else an FFN matrix), which
-    ZeRO-3 gathers whole and whose gradient it reduces whole (DeepSpeed's `largest_layer_params`)."""
-    return max(args.vocab_size * args.dim, args.dim * args.hidden_dim, args.dim * args.n_heads * args.head_dim)
+    ZeRO-3 gathers whole and whose gradient it reduces whole (DeepSpeed's `largest_layer_params`);
+    a tensor-parallel rank's slice of a block matrix is 1/tp of it, the embedding and head whole."""
+    D = args.dim
+    return max(args.vocab_size * D, D * args.hidden_dim // tp, D * args.n_heads * args.head_dim // tp)
 
 
 def model_state_bytes(n_params: int, stage: int, world: int, precision: str, grad_dtype: str = "fp32",
@@ -171,6 +209,39 @@ def block_matrices(args: ModelArgs) -> list[tuple[int, int]]:
     """A block's matrices, (fan_out, fan_in): wq wk wv wo w1 w2 w3."""
     qd, kvd, D, F = args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.dim, args.hidden_dim
     return [(qd, D), (kvd, D), (kvd, D), (D, qd), (F, D), (D, F), (F, D)]
+
+
+def tensor_parallel_params(args: ModelArgs, n_params: int, tp: int) -> int:
+    """Parameters one rank of a tensor-parallel group of `tp` holds (before ZeRO shards them over
+    the data-parallel ranks): 1/tp of every block matrix, the embedding, head and norms whole."""
+    split = args.n_layers * sum(m * k for m, k in block_matrices(args))
+    return n_params - split + split // tp
+
+
+def tensor_parallel_bytes(args: ModelArgs, tokens: int, p: int, tp: int) -> float:
+    """Bytes through each GPU for one all-reduce of a block's output activations (`tokens` x D in
+    p bytes) over a tensor-parallel group of `tp` ranks, ring: 2 (tp-1)/tp of them. A block runs
+    two in forward (after wo and w2), two in backward (the gradients of the inputs of wq/wk/wv and
+    of w1/w3), two more in a checkpointed block's recomputation."""
+    return 2 * (tp - 1) / tp * tokens * args.dim * p if tp > 1 else 0.0
+
+
+def zero_traffic(n_params: int, stage: int, world: int, micro_steps: int, p: int, g: int, node: int,
+                 hpz: bool) -> tuple[float, float]:
+    """ZeRO's bytes per GPU per step (comm_bytes) split into (within a node, across nodes) for
+    ranks on nodes of `node` GPUs: all within when the ranks fit in one node, all across otherwise
+    (a ring over several nodes runs at the network's bandwidth), except under hpZ (ZeRO-3): the
+    first forward's gather of each step reads the primary partition, over every rank, and builds
+    the secondary one within the node, which serves every later gather of the step (DeepSpeed
+    invalidates it at the optimizer step); only the gradients' reduce-scatter still crosses."""
+    total = comm_bytes(n_params, stage, world, micro_steps, p, g)
+    if world <= node:
+        return total, 0.0
+    if not (hpz and stage == 3):
+        return 0.0, total
+    gather = comm_bytes(n_params, stage, world, micro_steps, p, 0) / (2 * micro_steps)  # one gather over all
+    in_node = comm_bytes(n_params, stage, node, micro_steps, p, 0) * (2 * micro_steps - 1) / (2 * micro_steps)
+    return in_node, total - (2 * micro_steps - 1) * gather
 
 
 def muon_matrices(args: ModelArgs) -> list[list[tuple[int, int]]]:
@@ -287,7 +358,10 @@ class Assumptions:
     gbps: float = 400.0  # interconnect bandwidth per GPU, Gbit/s (e.g. one 400G NIC per GPU)
     precision: str = "bf16"
     gpu_memory_gib: float = 80.0  # memory per GPU; rows that need more are marked (H100/A100 80GB)
-    sp_gbps: float = 3600.0  # all-to-all Gbit/s per GPU within a sequence-parallel group (a node's NVLink 4: 450 GB/s)
+    # In-node Gbit/s per GPU (NVLink 4: 450 GB/s): Ulysses' all-to-alls, TP's all-reduces, hpZ's
+    # gathers, ZeRO within one node.
+    sp_gbps: float = 3600.0
+    gpus_per_node: int = 8  # GPUs joined by the in-node bandwidth: where TP groups and hpZ's secondary partitions live
 
 
 def _sp_sizes(args: ModelArgs, seq_len: int) -> list[int]:
@@ -302,63 +376,95 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         raise ConfigError("--gpus must be >= 1, --mfu in (0, 1], --peak-tflops and --gbps > 0")
     if a.sp_gbps <= 0:
         raise ConfigError(f"Assumptions.sp_gbps={a.sp_gbps:g} must be > 0 (Gbit/s per GPU)")
+    if a.gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node={a.gpus_per_node} must be >= 1")
     if a.gpu_memory_gib <= 0:
         raise ConfigError(f"--gpu-memory={a.gpu_memory_gib:g} must be > 0 (GiB per GPU)")
     cfg.validate(a.gpus)
+    if cfg.optimizer.name == "muon" and cfg.distributed.tensor_parallel > 1:
+        raise ConfigError("pretrain estimate does not model Muon's step under distributed.tensor_parallel")
     p = {"bf16": 2, "fp16": 2, "fp32": 4}[a.precision]
     g = 4 if a.precision == "fp32" or (a.precision == "bf16" and cfg.distributed.grad_dtype == "fp32") else 2
     n_total, n_non_emb = num_params(args), num_params(args, non_embedding=True)
     fpt = flops_per_token(args, cfg.data.seq_len)
     stage, t, d = cfg.distributed.zero_stage, cfg.train, cfg.distributed
-    sequences = cfg.global_batch(a.gpus // d.sequence_parallel)
+    sequences = cfg.global_batch(a.gpus // (d.sequence_parallel * d.tensor_parallel))
     tokens_per_step = sequences * cfg.data.seq_len
     micro_tokens = t.micro_batch_size * cfg.data.seq_len  # whole sequences, split over a sequence-parallel group
     muon = cfg.optimizer.name == "muon"
     bucket = d.reduce_bucket_size or args.dim**2
     flops_s = a.peak_tflops * 1e12 * a.mfu  # FLOP/s assumed, Newton-Schulz's matmuls too
 
-    def at(world: int, sp: int = d.sequence_parallel) -> dict:
-        dp = world // sp  # sequence-parallel groups: each reads its own micro-batches
-        if world % sp or sequences % (t.micro_batch_size * dp):
+    def at(world: int, sp: int = d.sequence_parallel, tp: int = d.tensor_parallel, hpz: bool = d.hpz) -> dict:
+        dp = world // (sp * tp)  # sequence- or tensor-parallel groups: each reads its own micro-batches
+        if world % (sp * tp) or sequences % (t.micro_batch_size * dp):
             raise ConfigError(f"the global batch of {sequences} sequences does not split over {world} GPUs")
         k = sequences // (t.micro_batch_size * dp)
+        hpz = hpz and stage == 3
+        # A tensor-parallel rank holds 1/tp of the block matrices and all of the rest; ZeRO shards
+        # what it holds over the ranks that hold the same slice (a sequence-parallel group's too).
+        local, zero_world = tensor_parallel_params(args, n_total, tp), world // tp
         opt = muon_step(args, stage, world, bucket, g, cfg.optimizer.muon_ns_method) if muon else None
-        states = model_state_bytes(n_total, stage, world, a.precision, d.grad_dtype, largest_layer_params(args),
+        states = model_state_bytes(local, stage, zero_world, a.precision, d.grad_dtype, largest_layer_params(args, tp),
                                    opt["params"] if muon else 0)
+        if hpz:  # the secondary partition: the 16-bit weights over the node's GPUs
+            states["hpz_secondary"] = p * local / min(a.gpus_per_node, zero_world)
         acts = activation_bytes(args, micro_tokens, p, t.activation_checkpointing, t.loss_chunk_tokens, sp,
-                                t.mlp_chunk_tokens)
-        buffers = allreduce_copy_bytes(n_total, stage, a.precision, d.grad_dtype)
+                                t.mlp_chunk_tokens, tp)
+        buffers = allreduce_copy_bytes(local, stage, a.precision, d.grad_dtype)
         if stage > 0:
             buffers += (d.reduce_bucket_size or args.dim**2) * 4 + (
                 (d.prefetch_bucket_size or int(0.9 * args.dim**2)) * p if stage == 3 else 0)
         memory = {**states, "activations": acts["saved"] + acts["peak_extra"], "buffers": buffers}
         if muon:
             memory["optimizer_step"] = opt["transient"]
-        compute_s = fpt * tokens_per_step / (world * flops_s)
-        comm = comm_bytes(n_total, stage, world, k, p, g)
+        # The embedding and the head are whole on every rank of a tensor-parallel group, so each
+        # computes the head's matmuls (6 V D per token) for the group's tokens.
+        head_again = (tp - 1) * 6 * args.vocab_size * args.dim
+        compute_s = (fpt + head_again) * tokens_per_step / (world * flops_s)
+        # ZeRO's groups are the ranks holding one tensor-parallel slice: a node holds
+        # gpus_per_node / tp of each.
+        intra, inter = zero_traffic(local, stage, zero_world, k, p, g, max(a.gpus_per_node // tp, 1), hpz)
         allreduced = allreduced_params(args, bucket) if muon and stage == 3 else 0
-        comm += k * (world - 1) / world * allreduced * g  # an all-reduce moves twice a reduce-scatter's bytes
-        comm_s = comm / (a.gbps * 1e9 / 8)
+        extra_rs = k * (world - 1) / world * allreduced * g  # an all-reduce moves twice a reduce-scatter's bytes
+        if world <= a.gpus_per_node:
+            intra += extra_rs
+        else:
+            inter += extra_rs
+        comm = intra + inter
+        # The two links are counted one after the other: no credit for running them side by side.
+        comm_s = inter / (a.gbps * 1e9 / 8) + intra / (a.sp_gbps * 1e9 / 8)
         # Muon's step runs after backward, its all-gathers and Newton-Schulz one after the other.
         opt_s = opt["flops"] / flops_s + opt["comm"] / (a.gbps * 1e9 / 8) if muon else 0.0
         # Ulysses: forward and backward exchange every layer, a checkpointed block's recomputation
         # again; the all-to-alls sit between the layer's compute, not beside it: added to the step.
+        recomputed = _checkpointed(args, t.activation_checkpointing)
         exchange = sequence_exchange_bytes(args, micro_tokens, p, sp)
-        a2a = k * (2 * args.n_layers + _checkpointed(args, t.activation_checkpointing)) * exchange
+        a2a = k * (2 * args.n_layers + recomputed) * exchange
         a2a_s = a2a / (a.sp_gbps * 1e9 / 8)
-        step_s = max(compute_s, comm_s) + a2a_s + opt_s
+        # Tensor parallelism: the same, its all-reduces wait for the matmul before them and the next
+        # one waits for them; 4 per block and 2 per recomputed block (tensor_parallel_bytes).
+        allreduce = tensor_parallel_bytes(args, micro_tokens, p, tp)
+        tp_bytes = k * (4 * args.n_layers + 2 * recomputed) * allreduce
+        tp_s = tp_bytes / (a.sp_gbps * 1e9 / 8)
+        step_s = max(compute_s, comm_s) + a2a_s + tp_s + opt_s
         # The optimizer step's transient comes after backward has freed the activations: the larger counts.
         total_gib = (sum(memory.values()) - min(memory["activations"], memory.get("optimizer_step", 0))) / GIB
         extra = {"muon": {"params": opt["params"], "ns_flops_per_gpu": opt["flops"],
                           "ns_flops_total": opt["flops_total"], "ns_s": opt["flops"] / flops_s,
                           "step_comm_gib_per_gpu": opt["comm"] / GIB, "step_comm_s": opt["comm"] / (a.gbps * 1e9 / 8),
                           "allreduced_params": allreduced}} if muon else {}
-        return {"gpus": world, "sequence_parallel": sp, "grad_accum": k, "memory_gib_per_gpu": total_gib,
+        return {"gpus": world, "sequence_parallel": sp, "tensor_parallel": tp, "hpz": hpz, "data_parallel": dp,
+                "grad_accum": k, "memory_gib_per_gpu": total_gib,
                 "fits": total_gib <= a.gpu_memory_gib, "memory_parts_gib": {k_: v / GIB for k_, v in memory.items()},
-                "compute_s": compute_s, "comm_gib_per_gpu": comm / GIB, "comm_s": comm_s,
+                "compute_s": compute_s, "comm_gib_per_gpu": comm / GIB, "comm_intra_node_gib_per_gpu": intra / GIB,
+                "comm_inter_node_gib_per_gpu": inter / GIB, "comm_s": comm_s,
                 "all_to_all_mib_per_layer": exchange / 2**20, "all_to_all_gib_per_gpu": a2a / GIB,
-                "all_to_all_s": a2a_s, "optimizer_step_s": opt_s, "step_s": step_s,
-                "tokens_per_s": tokens_per_step / step_s, "comm_bound": comm_s > compute_s, **extra}
+                "all_to_all_s": a2a_s, "tp_allreduce_mib": allreduce / 2**20,
+                "tp_allreduce_gib_per_gpu": tp_bytes / GIB, "tp_allreduce_s": tp_s, "optimizer_step_s": opt_s,
+                "step_s": step_s,
+                "tokens_per_s": tokens_per_step / step_s, "efficiency": compute_s / step_s,
+                "comm_bound": comm_s > compute_s, **extra}
 
     here = at(a.gpus)
     scaling = []
@@ -375,26 +481,64 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
     for n in _sp_sizes(args, cfg.data.seq_len):
         for world in range(math.lcm(a.gpus, n), 0, -n):
             try:
-                by_sp.append(at(world, n))
+                by_sp.append(at(world, n, d.tensor_parallel if n == 1 else 1))
                 break
             except ConfigError:
                 pass
     needed = next((r["sequence_parallel"] for r in by_sp if r["fits"]), None)
+    options = parallel_options(at, args, a, d, muon)
+    fitting = [r for r in options if r.get("fits")]
+    # The fastest that fits; of equal step times the first listed, the one with less machinery.
+    recommended = min(fitting, key=lambda r: r["step_s"]) if fitting else None
     total_s = here["step_s"] * t.max_steps
     return {
         "params": n_total, "params_non_embedding": n_non_emb, "flops_per_token": fpt,
         "tokens_per_step": tokens_per_step, "steps": t.max_steps, "tokens_total": tokens_per_step * t.max_steps,
         "flops_total": fpt * tokens_per_step * t.max_steps, "zero_stage": stage, "seq_len": cfg.data.seq_len,
         "assumptions": vars(a), **here, "total_s": total_s, "total_h": total_s / 3600,
-        "host_checkpoint_copy_gib": ((n_total * (4 + 8) - (8 - g) * here.get("muon", {}).get("params", 0))
-                                     / (a.gpus if stage >= 1 else 1)) / GIB,
+        "host_checkpoint_copy_gib": ((tensor_parallel_params(args, n_total, d.tensor_parallel) * (4 + 8)
+                                      - (8 - g) * here.get("muon", {}).get("params", 0))
+                                     / (a.gpus // d.tensor_parallel if stage >= 1 else 1)) / GIB,
         "optimizer": cfg.optimizer.name,
         "scaling": scaling, "fit_hint": fit_hint(cfg),
         "kv_replication": kv_replication(args.kv_heads, d.sequence_parallel),
         "activation_checkpointing": t.activation_checkpointing > 0,
         "sequence_parallel_table": by_sp, "sequence_parallel_needed": needed,
         "sequence_parallel_max": args.n_heads,
+        "parallel_options": options, "recommended": recommended and recommended["option"],
     }
+
+
+def _tp_sizes(args: ModelArgs, node: int) -> list[int]:
+    """Tensor-parallel sizes above 1 within a node that split the heads, KV heads and FFN width."""
+    return [n for n in range(2, node + 1) if not (args.n_heads % n or args.kv_heads % n or args.hidden_dim % n)]
+
+
+def parallel_options(at, args: ModelArgs, a: Assumptions, d, muon: bool) -> list[dict]:
+    """The layouts of the run's GPUs with sequence_parallel=1: ZeRO alone, ZeRO-3 with hpZ (over
+    more than one node), and tensor parallelism within a node with ZeRO across, each at the config's
+    ZeRO stage, micro-batch size and global batch, with the overrides of the config `d`
+    (distributed) that select it; `at` evaluates one (estimate's). A layout the global batch does
+    not split over is listed with the reason. Not listed: hpZ with tensor parallelism, which the
+    config refuses (distributed.hpz), and tensor parallelism under Muon, whose step is not modelled
+    with it."""
+    stage = d.zero_stage
+    layouts = [(f"ZeRO-{stage}", 1, False)]
+    if stage == 3 and a.gpus > a.gpus_per_node:
+        layouts.append(("ZeRO-3 + hpZ", 1, True))
+    if not muon:
+        layouts += [(f"TP {n} + ZeRO-{stage}", n, False) for n in _tp_sizes(args, a.gpus_per_node) if a.gpus % n == 0]
+    rows = []
+    for name, tp, hpz in layouts:
+        layout = {"sequence_parallel": 1, "tensor_parallel": tp, "hpz": hpz}
+        overrides = {f"distributed.{k}": v for k, v in layout.items() if getattr(d, k) != v}
+        row = {"option": name, "overrides": overrides}
+        try:
+            row.update(at(a.gpus, 1, tp, hpz))
+        except ConfigError as e:
+            row["error"] = str(e)
+        rows.append(row)
+    return rows
 
 
 def fit_hint(cfg: Config) -> str:
@@ -453,10 +597,13 @@ def report(e: dict) -> str:
     muon = "muon" in e
     sp = e["sequence_parallel"]
     split = f", each sequence split over {sp} GPUs" if sp > 1 else ""
+    if e["tensor_parallel"] > 1:
+        split = f", each block's matrices split over {e['tensor_parallel']} GPUs"
+    hpz = " with hpZ" if e["hpz"] else ""
     lines = [
         f"model: {e['params'] / 1e6:,.1f}M parameters ({e['params_non_embedding'] / 1e6:,.1f}M non-embedding), "
         f"{e['flops_per_token'] / 1e9:.3f} GFLOPs per token (forward + backward, PaLM)",
-        f"run: {a['gpus']} GPU(s), ZeRO-{e['zero_stage']}, {a['precision']}, {e['optimizer']}, "
+        f"run: {a['gpus']} GPU(s), ZeRO-{e['zero_stage']}{hpz}, {a['precision']}, {e['optimizer']}, "
         f"{e['tokens_per_step']:,} tokens per step "
         f"({e['grad_accum']} micro-batch(es) per GPU{split}), {e['tokens_total'] / 1e9:,.2f}B tokens, "
         f"{e['flops_total']:.3g} FLOPs in all",
@@ -468,9 +615,9 @@ def report(e: dict) -> str:
         _sp_line(e),
         f"time at {a['mfu']:.0%} MFU of {a['peak_tflops']:g} TFLOPS: {e['step_s']:.3g} s per step, "
         f"{e['total_h']:.3g} h for {e['steps']:,} steps",
-        f"ZeRO communication at {a['gbps']:g} Gbit/s per GPU: {e['comm_gib_per_gpu']:.3g} GiB per GPU per step, "
-        f"{e['comm_s']:.3g} s ({'longer than' if e['comm_bound'] else 'hidden behind'} the compute, if overlapped)",
+        _comm_line(e),
         *([_a2a_line(e)] if sp > 1 else []),
+        *([_tp_line(e)] if e["tensor_parallel"] > 1 else []),
         *([_muon_line(e)] if muon else []),
         "",
         "The same global batch on other GPU counts (efficiency = compute time / step time: below 1 the",
@@ -498,7 +645,65 @@ def report(e: dict) -> str:
         lines.append(f"| {r['sequence_parallel']} | {r['gpus']} | {r['memory_parts_gib']['activations']:.2f} | "
                      f"{_memory_cell(r, a)} | {r['all_to_all_mib_per_layer']:.3g} | {r['all_to_all_s']:.3g} | "
                      f"{r['step_s']:.3g} |")
-    return "\n".join(lines)
+    return "\n".join(lines + _options_lines(e))
+
+
+def _comm_line(e: dict) -> str:
+    a = e["assumptions"]
+    intra, inter = e["comm_intra_node_gib_per_gpu"], e["comm_inter_node_gib_per_gpu"]
+    where = (f"{inter:.3g} GiB across nodes at {a['gbps']:g} Gbit/s" if not intra else
+             f"{intra:.3g} GiB within the node at {a['sp_gbps']:g} Gbit/s" if not inter else
+             f"{intra:.3g} GiB within the node at {a['sp_gbps']:g} Gbit/s + {inter:.3g} GiB across nodes at "
+             f"{a['gbps']:g} Gbit/s")
+    return (f"ZeRO communication per GPU per step: {where}, {e['comm_s']:.3g} s "
+            f"({'longer than' if e['comm_bound'] else 'hidden behind'} the compute, if overlapped)")
+
+
+def _tp_line(e: dict) -> str:
+    a = e["assumptions"]
+    recompute = ", 2 more in the recomputation" if e["activation_checkpointing"] else ""
+    return (f"tensor parallelism over {e['tensor_parallel']} GPUs: {e['tp_allreduce_mib']:.3g} MiB per GPU per "
+            f"all-reduce, 2 per block per micro-batch in forward, 2 in backward{recompute}; "
+            f"{e['tp_allreduce_gib_per_gpu']:.3g} GiB per GPU per step, {e['tp_allreduce_s']:.3g} s at "
+            f"{a['sp_gbps']:g} Gbit/s (not overlapped: in the step time)")
+
+
+def _options_lines(e: dict) -> list[str]:
+    a = e["assumptions"]
+    lines = [
+        "",
+        f"Parallel layouts on {a['gpus']} GPUs ({a['gpus_per_node']} per node), the same global batch and "
+        "micro-batch size, overrides from this config",
+        f"(-: its own layout); TP's all-reduces and hpZ's gathers within a node at {a['sp_gbps']:g} Gbit/s, "
+        f"the rest across nodes at {a['gbps']:g} Gbit/s:",
+        "",
+        "| layout | overrides | memory/GPU GiB | compute s | ZeRO comm s (in node + across, GiB) | TP all-reduce s "
+        "| step s | efficiency |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in e["parallel_options"]:
+        overrides = " ".join(f"{k}={str(v).lower()}" for k, v in r["overrides"].items()) or "-"
+        if "error" in r:
+            lines.append(f"| {r['option']} | {overrides} | {r['error']} | | | | | |")
+            continue
+        lines.append(f"| {r['option']} | {overrides} | {_memory_cell(r, a)} | {r['compute_s']:.3g} | "
+                     f"{r['comm_s']:.3g} ({r['comm_intra_node_gib_per_gpu']:.3g} + "
+                     f"{r['comm_inter_node_gib_per_gpu']:.3g}) | {r['tp_allreduce_s']:.3g} | {r['step_s']:.3g} | "
+                     f"{r['efficiency']:.0%} |")
+    rec = next((r for r in e["parallel_options"] if r["option"] == e["recommended"]), None)
+    if rec is None:
+        lines.append(f"recommended: none of these fits in {a['gpu_memory_gib']:g} GiB per GPU: use {e['fit_hint']}")
+    else:
+        overrides = " ".join(f"{k}={str(v).lower()}" for k, v in rec["overrides"].items())
+        lines.append(f"recommended: {rec['option']} (the fastest that fits: {rec['step_s']:.3g} s per step)"
+                     + (f": {overrides}" if overrides else ": this config's layout"))
+        if rec["comm_bound"]:  # every layout's ZeRO traffic per token falls with the micro-batch size
+            lines.append("it still waits for ZeRO's collectives: a larger train.micro_batch_size (fewer gathers per "
+                         "token) would shorten the step where memory allows")
+    if e["zero_stage"] == 3 and any(r["tensor_parallel"] > 1 for r in e["parallel_options"] if "error" not in r):
+        lines.append("(hpZ with tensor parallelism: not supported; the config refuses distributed.hpz with "
+                     "distributed.tensor_parallel)")
+    return lines
 
 
 def estimate_cli(args) -> None:
@@ -510,7 +715,8 @@ def estimate_cli(args) -> None:
     precision = args.precision or (cfg.train.precision if cfg.train.precision != "auto" else "bf16")
     peak = args.peak_tflops or (cfg.distributed.peak_flops / 1e12 if cfg.distributed.peak_flops
                                 else peak_flops_for("NVIDIA H100 80GB HBM3", precision) / 1e12)
-    e = estimate(cfg, model_args, Assumptions(args.gpus, args.mfu, peak, args.gbps, precision, args.gpu_memory))
+    e = estimate(cfg, model_args, Assumptions(args.gpus, args.mfu, peak, args.gbps, precision, args.gpu_memory,
+                                              gpus_per_node=args.gpus_per_node))
     print(report(e))
     if args.json:
         with open(args.json, "w") as f:

@@ -13,9 +13,10 @@ import torch
 from helpers import REPO, TINY, free_port, train_env
 from pretrain.cli import main
 from pretrain.config import load_config
-from pretrain.estimate import (Assumptions, activation_bytes, allreduced_params, comm_bytes, estimate, fit_hint,
-                               largest_layer_params, model_state_bytes, muon_matrices, muon_step, newton_schulz_flops,
-                               report, sequence_exchange_bytes)
+from pretrain.estimate import (Assumptions, activation_bytes, allreduced_params, block_matrices, comm_bytes, estimate,
+                               fit_hint, largest_layer_params, model_state_bytes, muon_matrices, muon_step,
+                               newton_schulz_flops, report, sequence_exchange_bytes, tensor_parallel_bytes,
+                               tensor_parallel_params, zero_traffic)
 from pretrain.model.args import PRESETS, ModelArgs
 from pretrain.model.model import Transformer, num_params
 from pretrain.parallelize import apply_activation_checkpointing
@@ -561,3 +562,115 @@ def test_gpu_memory_flag(capsys):
     assert main(args) == 0 and "does not fit (125 GiB > 80 GiB per GPU)" in capsys.readouterr().out
     assert main(args + ["--gpu-memory", "141"]) == 0 and "does not fit" not in capsys.readouterr().out
     assert main(args + ["--gpu-memory", "0"]) == 2
+
+
+# Tensor parallelism, hpZ and the choice between layouts (parallel_options): arithmetic only.
+SHAPE = ["model.vocab_size=32000", "data.seq_len=4096", "model.max_seq_len=4096"]
+
+
+def _row(e: dict, option: str) -> dict:
+    return next(r for r in e["parallel_options"] if r["option"] == option)
+
+
+def test_tensor_parallel_splits_the_block_matrices():
+    """TP over t: a rank holds 1/t of the block matrices and the whole embedding, head and norms,
+    ZeRO shards that over the n/t ranks of its slice, every GPU runs t times the micro-batches; the
+    split activations divide by t, the norms' and the block input do not; 4 all-reduces per block
+    per micro-batch plus 2 in the recomputation, added to the step; the head computed t times."""
+    cfg = load_config(REPO / "configs" / "7b.yaml", SHAPE)
+    args, n, gpus = cfg.model, num_params(cfg.model), 64
+    e = estimate(cfg, args, Assumptions(gpus=gpus))
+    block = args.n_layers * sum(m * k for m, k in block_matrices(args))
+    plain = _row(e, "ZeRO-3")
+    for t in (2, 4, 8):
+        r = _row(e, f"TP {t} + ZeRO-3")
+        local, dp, k = n - block + block // t, gpus // t, plain["grad_accum"] * t
+        assert tensor_parallel_params(args, n, t) == local and r["grad_accum"] == k
+        assert r["memory_parts_gib"]["weights"] == pytest.approx(2 * local / dp / 2**30)
+        assert r["memory_parts_gib"]["optimizer"] == pytest.approx(12 * local / dp / 2**30)
+        assert r["comm_gib_per_gpu"] == pytest.approx(comm_bytes(local, 3, dp, k, 2, 4) / 2**30)
+        # Per micro-batch 1/t of the block matrices, t times the micro-batches: per step the block
+        # matrices move what plain ZeRO-3 moves, the rest (embedding, head, norms) t times that.
+        k_plain = plain["grad_accum"]
+        assert r["comm_gib_per_gpu"] == pytest.approx(
+            (2 * 2 + 4) * k_plain * (dp - 1) / dp * (block + t * (n - block)) / 2**30)
+        allreduce = 2 * (t - 1) / t * 4096 * args.dim * 2
+        assert tensor_parallel_bytes(args, 4096, 2, t) == allreduce
+        assert r["tp_allreduce_gib_per_gpu"] == pytest.approx(k * (4 + 2) * args.n_layers * allreduce / 2**30)
+        assert r["step_s"] == pytest.approx(max(r["compute_s"], r["comm_s"]) + r["tp_allreduce_s"])
+        head = 6 * args.vocab_size * args.dim
+        assert r["compute_s"] / plain["compute_s"] == pytest.approx(1 + (t - 1) * head / e["flops_per_token"])
+    # Activations without checkpointing: (2p D + 2p KVd + 4 H + 4p F) per token per block split.
+    T, p, D = 4096, 2, args.dim
+    split = 2 * p * D + 2 * p * args.kv_heads * args.head_dim + 4 * args.n_heads + 4 * p * args.hidden_dim
+    one, eight = (activation_bytes(args, T, p, 0, tp=t)["saved"] for t in (1, 8))
+    assert one - eight == args.n_layers * T * split * 7 / 8
+    assert activation_bytes(args, T, p, 1, tp=8)["saved"] == activation_bytes(args, T, p, 1)["saved"]  # inputs whole
+    assert largest_layer_params(args, 8) == args.vocab_size * D  # the embedding is not split
+
+
+def test_hpz_gathers_within_the_node_and_keeps_a_secondary_copy():
+    """hpZ: of a step's 2k gathers the first crosses nodes (it builds the secondary partition), the
+    other 2k - 1 run over the node's 8 GPUs; the reduce-scatters cross; 2 bytes per parameter over
+    the node's GPUs more memory. ZeRO within one node runs at the in-node bandwidth."""
+    n, k, world = 10**9, 4, 32
+    psi = (world - 1) / world * n
+    intra, inter = zero_traffic(n, 3, world, k, 2, 4, 8, hpz=True)
+    assert intra == pytest.approx((2 * k - 1) * 7 / 8 * n * 2)
+    assert inter == pytest.approx(k * psi * 4 + psi * 2)
+    assert zero_traffic(n, 3, world, k, 2, 4, 8, hpz=False) == (0.0, comm_bytes(n, 3, world, k, 2, 4))
+    assert zero_traffic(n, 3, 8, k, 2, 4, 8, hpz=False) == (comm_bytes(n, 3, 8, k, 2, 4), 0.0)
+    cfg = load_config(REPO / "configs" / "7b.yaml", SHAPE)
+    a = Assumptions(gpus=64)
+    e = estimate(cfg, cfg.model, a)
+    plain, hpz = _row(e, "ZeRO-3"), _row(e, "ZeRO-3 + hpZ")
+    params = e["params"]
+    assert hpz["memory_parts_gib"]["hpz_secondary"] == pytest.approx(2 * params / 8 / 2**30)
+    assert hpz["memory_gib_per_gpu"] == pytest.approx(plain["memory_gib_per_gpu"] + 2 * params / 8 / 2**30)
+    assert hpz["comm_gib_per_gpu"] < plain["comm_gib_per_gpu"]  # node gathers: 7/8 of the parameters, not 63/64
+    assert hpz["comm_inter_node_gib_per_gpu"] < plain["comm_inter_node_gib_per_gpu"] / 1.9
+    assert hpz["comm_s"] == pytest.approx(hpz["comm_inter_node_gib_per_gpu"] * 2**30 / (a.gbps / 8 * 1e9)
+                                          + hpz["comm_intra_node_gib_per_gpu"] * 2**30 / (a.sp_gbps / 8 * 1e9))
+    assert hpz["step_s"] < plain["step_s"] and e["recommended"] == "ZeRO-3 + hpZ"
+    # The run's own figures follow distributed.hpz.
+    on = load_config(REPO / "configs" / "7b.yaml", SHAPE + ["distributed.hpz=true"])
+    assert estimate(on, on.model, a)["comm_s"] == pytest.approx(hpz["comm_s"])
+
+
+def test_70b_config_and_its_layout_at_256_gpus(capsys):
+    """configs/70b.yaml: the Llama 3 70B shape, valid on 32 nodes of 8 GPUs (plain, hpZ or TP 8).
+    At 256 GPUs with 4M-token steps every layout fits; TP 8 needs less memory than plain ZeRO-3
+    (one recomputed block's activations split, 7.5 GiB of peak less) but is slower (its all-reduces
+    and the head computed 8 times, ZeRO's traffic per step no smaller): hpZ, compute-bound, is the
+    fastest. Where the batch does not split over the GPUs (1024: 512 sequences), TP is what fits."""
+    path = REPO / "configs" / "70b.yaml"
+    cfg = load_config(path, [])
+    m = cfg.model
+    assert (m.dim, m.n_layers, m.n_heads, m.kv_heads, m.hidden_dim, m.vocab_size) == (8192, 80, 64, 8, 28672, 128256)
+    assert cfg.data.seq_len == 8192 and cfg.global_batch(256) == 512 and cfg.train.activation_checkpointing
+    for overrides in ([], ["distributed.hpz=true"], ["distributed.tensor_parallel=8"]):
+        load_config(path, overrides).validate(256)
+    e = estimate(cfg, m, Assumptions(gpus=256))
+    assert 70.5e9 < e["params"] < 70.6e9
+    plain, hpz, tp8 = _row(e, "ZeRO-3"), _row(e, "ZeRO-3 + hpZ"), _row(e, "TP 8 + ZeRO-3")
+    assert all(r["fits"] for r in e["parallel_options"])
+    assert tp8["memory_parts_gib"]["activations"] < plain["memory_parts_gib"]["activations"] - 3
+    assert tp8["memory_gib_per_gpu"] < plain["memory_gib_per_gpu"] < hpz["memory_gib_per_gpu"] < 80
+    assert tp8["step_s"] > plain["step_s"] > hpz["step_s"] == pytest.approx(hpz["compute_s"])
+    assert e["recommended"] == "ZeRO-3 + hpZ"
+    wide = load_config(path, ["distributed.tensor_parallel=2"])
+    e = estimate(wide, wide.model, Assumptions(gpus=1024))
+    assert "does not split" in _row(e, "ZeRO-3")["error"] and e["recommended"] == "TP 2 + ZeRO-3"
+    assert main(["estimate", str(path), "--gpus", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "| TP 8 + ZeRO-3 | distributed.tensor_parallel=8 |" in out
+    assert "recommended: ZeRO-3 + hpZ (the fastest that fits: 19.9 s per step): distributed.hpz=true" in out
+
+
+def test_gpus_per_node_bounds_tensor_parallelism(tmp_path):
+    out = tmp_path / "e.json"
+    assert main(["estimate", str(REPO / "configs" / "7b.yaml"), "--gpus", "64", *SHAPE, "--gpus-per-node", "4",
+                 "--json", str(out)]) == 0
+    e = json.loads(out.read_text())
+    assert [r["option"] for r in e["parallel_options"]] == ["ZeRO-3", "ZeRO-3 + hpZ", "TP 2 + ZeRO-3", "TP 4 + ZeRO-3"]
+    assert _row(e, "ZeRO-3 + hpZ")["memory_parts_gib"]["hpz_secondary"] == pytest.approx(2 * e["params"] / 4 / 2**30)
