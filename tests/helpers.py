@@ -8,6 +8,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,28 @@ def run_train(overrides: list[str], nproc: int = 1, config: Path = TINY, launche
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_train_on_nodes(overrides: list[str], nodes: int = 2, per_node: int = 2, timeout: int = 300) -> None:
+    """`pretrain train` on `nodes` "nodes" of `per_node` CPU ranks: one torchrun agent per node, as
+    slurm/pretrain.sbatch starts them, meeting on loopback (each rank's LOCAL_WORLD_SIZE is
+    `per_node`, its node's ranks consecutive)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc_per_node", str(per_node),
+           "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "pretrain", "train", str(TINY),
+           "logging.progress=false", *overrides]
+    logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(nodes)]  # (no pipe to fill)
+    procs = [subprocess.Popen([*cmd[:3], "--node_rank", str(n), *cmd[3:]], cwd=REPO, env=train_env(),
+                              stdout=out, stderr=err, text=True) for n, (out, err) in enumerate(logs)]
+    try:
+        for n, (p, (out, err)) in enumerate(zip(procs, logs)):
+            if p.wait(timeout=timeout) != 0:
+                out.seek(0)
+                err.seek(0)
+                raise AssertionError(f"node {n}: exit {p.returncode}\n{out.read()[-3000:]}\n{err.read()[-6000:]}")
+    finally:
+        for p in procs:
+            p.kill() if p.poll() is None else None
 
 
 # `pretrain train` with every tensor autograd saves for backward counted (a thread-local hook around
