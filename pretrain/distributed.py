@@ -63,6 +63,10 @@ def _env_from_slurm() -> None:
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
     os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    # Ranks per node, which pretrain/traffic.py tells nodes apart by ("8(x2)": 8 tasks on each of 2 nodes).
+    per_node = os.environ.get("SLURM_NTASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", "").split("(")[0]
+    if per_node:
+        os.environ["LOCAL_WORLD_SIZE"] = per_node.split(",")[0]
     if "MASTER_ADDR" not in os.environ:
         import subprocess
 

@@ -177,3 +177,17 @@ def test_zero3_step_without_checkpointing(nproc, k, ac):
     for kind in ("all_gather", "reduce_scatter"):
         assert _bytes(records[-1], kind) == pytest.approx(hand[kind], rel=0.05), (kind, records[-1])
     assert records[-1]["comm/bytes_per_step"] == pytest.approx(est["total"], rel=0.05)
+
+
+def test_ranks_per_node_under_a_bare_srun(monkeypatch):
+    """srun without torchrun: Slurm's tasks per node ("2(x2)": 2 on each of 2 nodes) become
+    LOCAL_WORLD_SIZE, which tells nodes apart."""
+    from pretrain import distributed
+    from pretrain.traffic import local_world_size
+
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_TASKS_PER_NODE": "2(x2)",
+           "MASTER_ADDR": "node1"}
+    monkeypatch.setattr(distributed.os, "environ", env)
+    distributed._env_from_slurm()
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("3", "4", "2")
+    assert local_world_size() == 2
