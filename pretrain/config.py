@@ -103,6 +103,7 @@ class LoggingConfig:
     name: str = ""  # W&B run name ("" = the run_dir name)
     group: str = ""  # W&B group ("" = none; a scaling sweep sets its name)
     progress: bool = True  # progress bar on rank 0
+    comm_bytes: bool = False  # count the bytes of each kind of collective, intra/inter node, in each logged step (comm/*; pretrain/traffic.py; that step runs 1.3-1.5x slower on CPU)
 
 
 @dataclass
@@ -112,6 +113,7 @@ class DistributedConfig:
     param_persistence_threshold: int = -1  # ZeRO-3: params with fewer elements stay whole (-1 = 10 x model.dim)
     reduce_bucket_size: int = 0  # elements per gradient reduce bucket (0 = model.dim^2)
     prefetch_bucket_size: int = 0  # ZeRO-3: elements of parameters gathered ahead (0 = 0.9 x model.dim^2)
+    max_reuse_distance: int = 1_000_000_000  # ZeRO-3: a parameter used again within this many elements of other parameters stays gathered, e.g. from forward to backward (fewer gathers, more memory; DeepSpeed's default; `pretrain estimate` counts the gathers)
     overlap_comm: bool = True  # overlap gradient reduction with backward
     offload_optimizer: bool = False  # ZeRO optimizer state on CPU memory
     grad_dtype: str = "fp32"  # bf16 runs: dtype gradients accumulate over micro-batches and reduce across ranks in: fp32 | bf16 (half the traffic, inexact; docs/performance.md)
@@ -247,6 +249,9 @@ class Config:
         if self.checkpoint.keep_last < 1:
             out.append("checkpoint.keep_last must be >= 1 (a run always keeps its latest checkpoint)")
         d = self.distributed
+        if d.max_reuse_distance < 0:
+            out.append(f"distributed.max_reuse_distance={d.max_reuse_distance} must be >= 0 (elements; 0 = gather "
+                       "every parameter again in backward)")
         if d.param_persistence_threshold < -1 or d.reduce_bucket_size < 0 or d.prefetch_bucket_size < 0:
             out.append("distributed.param_persistence_threshold must be >= -1 (-1 = derived), the bucket sizes "
                        ">= 0 (0 = derived)")

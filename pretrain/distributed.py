@@ -73,7 +73,7 @@ def _env_from_slurm() -> None:
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
     os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
-    # Tasks on this node: SLURM_TASKS_PER_NODE reads "8(x32)" or "8,4" (the first node first).
+    # Tasks on this node (hpZ's node size, pretrain/traffic.py's nodes): SLURM_TASKS_PER_NODE reads "8(x32)" or "8,4" (the first node first).
     per_node = os.environ.get("SLURM_NTASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", "").split("(")[0].split(",")[0]
     if per_node.isdigit():
         os.environ.setdefault("LOCAL_WORLD_SIZE", per_node)

@@ -49,23 +49,34 @@ on CPU by counting the tensors alive; docs/performance.md compares it with DeepS
   These two, and their communication below, are modelled, not yet checked against a run.
 A row over the GPU's memory (Assumptions.gpu_memory_gib: 80 GiB) is marked as not fitting.
 
-Communication per GPU per step (ring collectives move (n-1)/n of the data through each GPU):
-stage 0 and 1 all-reduce (or reduce-scatter + all-gather) the gradients once per step: 2 psi;
-stage 2 reduce-scatters every micro-batch and gathers the weights once: (k + 1) psi;
-stage 3 gathers the weights twice (forward, backward) and reduce-scatters once per micro-batch:
-3 k psi; psi = (n-1)/n x parameters x bytes, k the micro-batches per GPU per step, the bytes those
-of the weights for gathers and of distributed.grad_dtype for gradients (fp32 by default under bf16). With
-communication overlapped with compute (DeepSpeed's overlap_comm) a step takes about the longer of
-the two; where communication is longer, more GPUs stop paying. Traffic among the GPUs of one node
-runs at the in-node bandwidth (Assumptions.sp_gbps, NVLink), among more at the network's
-(Assumptions.gbps, per GPU), the two added. Under hpZ the first forward gather of a step reads the
-primary partition across nodes and builds the secondary; the step's 2k - 1 other gathers stay in
-the node (DeepSpeed drops the secondary at the optimizer step); the reduce-scatters still cross.
-Under tensor parallelism ZeRO's psi counts a rank's parameters over the n/t ranks of its slice,
-and each GPU runs t times the micro-batches (its group shares each), so at a fixed micro-batch
-size the block matrices' traffic per GPU per step is what ZeRO over n moves, and the embedding's
-and head's is t times it: TP's gain under ZeRO-3 is activation memory (a larger micro-batch),
-not traffic.
+Communication per GPU per step (ring collectives move (n-1)/n of the data through each GPU; an
+all-reduce twice that), as DeepSpeed 0.19 runs ZeRO, counted on 2 and 4 CPU ranks with
+pretrain/traffic.py (bench/bench_comm.py, docs/performance.md; within 0.01% of these figures):
+stage 0 all-reduces the gradients once per step: 2 psi; stage 1 the same, and all-gathers the
+updated weights once: 2 psi + psi; stage 2 all-reduces the gradients every micro-batch (DeepSpeed's
+use_multi_rank_bucket_allreduce, on by default: buckets are all-reduced, not reduce-scattered) and
+gathers the weights once: 2 k psi + psi; stage 3 reduce-scatters the gradients every micro-batch
+(k psi) and all-gathers in each micro-batch's forward every parameter above the persistence
+threshold, in its backward again only those released after forward (zero3_gathered:
+DeepSpeed keeps a parameter gathered while it is used again within stage3_max_reuse_distance,
+1e9 elements by default, so a model of up to about half that gathers once per micro-batch, not
+twice; a 7B model re-gathers all but its last blocks), and the persistent ones once after the step.
+psi = (n-1)/n x parameters x bytes, k the micro-batches per GPU per step, the bytes those of the
+weights for gathers and of distributed.grad_dtype for gradients (fp32 by default under bf16). The
+formula this replaces (3 k psi at stage 3, 2 psi at stage 1, (k + 1) psi at stage 2) counted two
+gathers per micro-batch where the tiny model does one, half the bytes of stage 2's all-reduces, and
+no weight gather at stage 1. With communication overlapped with compute (DeepSpeed's overlap_comm)
+a step takes about the longer of the two; where communication is longer, more GPUs stop paying.
+Traffic among the GPUs of one node runs at the in-node bandwidth (Assumptions.sp_gbps, NVLink),
+among more at the network's (Assumptions.gbps, per GPU), the two added. Under hpZ the first forward
+gathers of a step read the primary partition across nodes and build the secondary; the step's
+other gathers (the later micro-batches' forwards, the backward re-gathers) stay in the node
+(DeepSpeed drops the secondary at the optimizer step); the reduce-scatters still cross.
+Under tensor parallelism ZeRO's psi counts a rank's parameters over the n/t ranks of its slice
+(zero3_gathered over the rank's 1/t of each block matrix), and each GPU runs t times the
+micro-batches (its group shares each), so at a fixed micro-batch size the block matrices' traffic
+per GPU per step is what ZeRO over n moves, and the embedding's and head's is t times it: TP's
+gain under ZeRO-3 is activation memory (a larger micro-batch), not traffic.
 
 Tensor parallelism's own all-reduces, per GPU per block per micro-batch: 2 in forward (after wo
 and w2), 2 in backward, 2 in a checkpointed block's recomputation, each 2 (t-1)/t of the
@@ -227,21 +238,23 @@ def tensor_parallel_bytes(args: ModelArgs, tokens: int, p: int, tp: int) -> floa
 
 
 def zero_traffic(n_params: int, stage: int, world: int, micro_steps: int, p: int, g: int, node: int,
-                 hpz: bool) -> tuple[float, float]:
+                 hpz: bool, gathered: float | None = None, persistent: int = 0) -> tuple[float, float]:
     """ZeRO's bytes per GPU per step (comm_bytes) split into (within a node, across nodes) for
     ranks on nodes of `node` GPUs: all within when the ranks fit in one node, all across otherwise
     (a ring over several nodes runs at the network's bandwidth), except under hpZ (ZeRO-3): the
-    first forward's gather of each step reads the primary partition, over every rank, and builds
-    the secondary one within the node, which serves every later gather of the step (DeepSpeed
-    invalidates it at the optimizer step); only the gradients' reduce-scatter still crosses."""
-    total = comm_bytes(n_params, stage, world, micro_steps, p, g)
+    first micro-batch's forward gathers read the primary partition, over every rank, and build the
+    secondary one within the node, which serves every later gather of the step (DeepSpeed
+    invalidates it at the optimizer step); those, and the gradients' reduce-scatter, cross."""
+    total = comm_bytes(n_params, stage, world, micro_steps, p, g, gathered, persistent)
     if world <= node:
         return total, 0.0
     if not (hpz and stage == 3):
         return 0.0, total
-    gather = comm_bytes(n_params, stage, world, micro_steps, p, 0) / (2 * micro_steps)  # one gather over all
-    in_node = comm_bytes(n_params, stage, node, micro_steps, p, 0) * (2 * micro_steps - 1) / (2 * micro_steps)
-    return in_node, total - (2 * micro_steps - 1) * gather
+    gathered = 2 * n_params if gathered is None else gathered
+    across = total - (world - 1) / world * micro_steps * gathered * p  # (the reduce-scatters, the persistent)
+    across += (world - 1) / world * (n_params - persistent) * p  # the first forward's gathers
+    in_node = (node - 1) / node * (micro_steps * gathered - (n_params - persistent)) * p
+    return in_node, across
 
 
 def muon_matrices(args: ModelArgs) -> list[list[tuple[int, int]]]:
@@ -339,15 +352,91 @@ def allreduce_copy_bytes(n_params: int, stage: int, precision: str, grad_dtype: 
     return 0.0
 
 
-def comm_bytes(n_params: int, stage: int, world: int, micro_steps: int, p: int, g: int | None = None) -> float:
-    """Bytes through each GPU per optimizer step for ZeRO's collectives (0 alone): weights of p
-    bytes, gradients reduced in g bytes (default p)."""
+def comm_volume(n_params: int, stage: int, world: int, micro_steps: int, p: int, g: int | None = None,
+                gathered: float | None = None, persistent: int = 0) -> dict:
+    """Bytes through each GPU per optimizer step of ZeRO's collectives, by kind (none alone): weights
+    of p bytes, gradients reduced in g bytes (default p), k = micro_steps, psi = (n-1)/n x
+    parameters. As DeepSpeed 0.19 runs them, counted on 2 and 4 CPU ranks (pretrain/traffic.py,
+    bench/bench_comm.py):
+    - stage 0: the gradients all-reduced once per step (2 psi g);
+    - stage 1 (DeepSpeed's ZeRO optimizer and BF16_Optimizer alike): the same, plus the updated
+      weights all-gathered once (psi p);
+    - stage 2: the gradients all-reduced every micro-batch, not reduce-scattered (DeepSpeed's
+      use_multi_rank_bucket_allreduce, on by default, all-reduces each bucket): 2 k psi g, plus the
+      weights once (psi p);
+    - stage 3: the gradients reduce-scattered every micro-batch (k psi g); per micro-batch the
+      `gathered` parameters all-gathered in forward and backward (default 2 x parameters:
+      zero3_gathered counts what DeepSpeed keeps between them), and the `persistent` ones
+      (under stage3_param_persistence_threshold, never gathered in forward) all-gathered once
+      after the step."""
     if world == 1:
-        return 0.0
+        return {}
     g = p if g is None else g
     psi = (world - 1) / world * n_params
-    gathers, reduces = {0: (0, 2), 1: (1, 1), 2: (1, micro_steps), 3: (2 * micro_steps, micro_steps)}[stage]
-    return psi * (gathers * p + reduces * g)
+    if stage == 3:
+        gathered = 2 * n_params if gathered is None else gathered
+        return {"all_gather": (world - 1) / world * (micro_steps * gathered + persistent) * p,
+                "reduce_scatter": micro_steps * psi * g}
+    reduces = micro_steps if stage == 2 else 1
+    return {"all_reduce": 2 * reduces * psi * g, **({"all_gather": psi * p} if stage > 0 else {})}
+
+
+def comm_bytes(n_params: int, stage: int, world: int, micro_steps: int, p: int, g: int | None = None,
+               gathered: float | None = None, persistent: int = 0) -> float:
+    """Bytes through each GPU per optimizer step for ZeRO's collectives (0 alone): comm_volume's sum."""
+    return sum(comm_volume(n_params, stage, world, micro_steps, p, g, gathered, persistent).values())
+
+
+def zero3_trace(args: ModelArgs, tp: int = 1) -> list[tuple[str, int]]:
+    """The modules ZeRO-3 fetches parameters for in one micro-batch, in order, each as (its
+    parameter, elements; a rank's 1/tp of the block matrices under tensor parallelism): forward
+    (the embedding, each block's norms and matrices in the order they run, the final norm, the
+    head), then backward in reverse. A tied head is the embedding's parameter. A checkpointed
+    block's recomputation adds no fetch of its own: it gathers what its backward then uses
+    (counted: the same bytes with and without activation checkpointing)."""
+    D, V = args.dim, args.vocab_size
+    wq, wk, wv, wo, w1, w2, w3 = (m * k // tp for m, k in block_matrices(args))
+    used = [("attention_norm", D), ("wq", wq), ("wk", wk), ("wv", wv), ("wo", wo), ("ffn_norm", D),
+            ("w1", w1), ("w3", w3), ("w2", w2)]
+    blocks = [(f"layers.{i}.{name}", n) for i in range(args.n_layers) for name, n in used]
+    forward = [("tok_embeddings", V * D), *blocks, ("norm", D), ("tok_embeddings" if args.tie_embeddings else "output", V * D)]
+    return forward + forward[::-1]
+
+
+def zero3_gathered(args: ModelArgs, persistence: int, reuse_distance: float = 1e9, tp: int = 1) -> dict:
+    """Parameters ZeRO-3 all-gathers per micro-batch ("gathered") and those it keeps whole
+    ("persistent", at most `persistence` elements each: stage3_param_persistence_threshold), by
+    DeepSpeed's rule once it has traced a step (partitioned_param_coordinator.py,
+    __params_to_release): after a module runs, its parameters are released unless the modules
+    that follow, up to `reuse_distance` elements of their parameters (stage3_max_reuse_distance,
+    DeepSpeed's default 1e9), use them again.
+
+    A model within that distance keeps every parameter from forward to backward and gathers each
+    once per micro-batch, not twice (the tiny model, counted: bench/bench_comm.py). Beyond it the
+    backward re-gathers are an upper bound: DeepSpeed also keeps parameters its prefetcher has
+    marked for a later use, which this rule does not follow (the tiny model at reuse distance 0
+    kept the head and the last 2 of its 4 blocks: 25% fewer gather bytes than this bound). The
+    first step, which traces, gathers everything in backward again."""
+    trace = zero3_trace(args, tp)
+    persistent = sum(n for n in dict(trace).values() if n <= persistence)
+    gathered, live = 0, set()
+    for s, (name, n) in enumerate(trace):
+        if n <= persistence:
+            continue
+        if name not in live:
+            gathered += n
+            live.add(name)
+        traversed = 0
+        for later, m in trace[s + 1:]:
+            if traversed >= reuse_distance:
+                live.discard(name)
+                break
+            if later == name:
+                break
+            traversed += m
+        else:
+            live.discard(name)
+    return {"gathered": gathered, "persistent": persistent}
 
 
 @dataclass
@@ -362,6 +451,38 @@ class Assumptions:
     # gathers, ZeRO within one node.
     sp_gbps: float = 3600.0
     gpus_per_node: int = 8  # GPUs joined by the in-node bandwidth: where TP groups and hpZ's secondary partitions live
+
+
+def _zero3_gathers(cfg: Config, args: ModelArgs, tp: int = 1) -> dict:
+    """zero3_gathered for this config at tensor-parallel size `tp` (comm_bytes's defaults below stage 3)."""
+    from pretrain.parallelize import zero_sizes
+
+    if cfg.distributed.zero_stage != 3:
+        return {}
+    return zero3_gathered(args, zero_sizes(cfg)["param_persistence_threshold"], cfg.distributed.max_reuse_distance, tp)
+
+
+def comm_hint(cfg: Config, args: ModelArgs, world: int, k: int, p: int, spare_gib: float = float("inf")) -> str:
+    """What would cut this run's ZeRO traffic per step, by the counted rules of comm_volume ("" if
+    nothing that keeps the run exact): ZeRO-2's all-reduce in every micro-batch, ZeRO-3's
+    backward re-gathers beyond stage3_max_reuse_distance (a larger distance only where the
+    weights it keeps gathered fit the `spare_gib` the GPU has left)."""
+    stage, N = cfg.distributed.zero_stage, num_params(args)
+    if world == 1:
+        return ""
+    if stage == 2 and k > 1:
+        return (f"ZeRO-2 all-reduces the gradients in each of the {k} micro-batches: distributed.zero_stage=1 "
+                f"reduces them once per step ({k}x fewer gradient bytes; the gradients then stay whole on each GPU)")
+    if stage == 3:
+        z = _zero3_gathers(cfg, args)
+        again = z["gathered"] - (N - z["persistent"])  # per micro-batch, in backward
+        if again > 0:
+            keep = (f"distributed.max_reuse_distance={2 * N} keeps them gathered from forward to backward, "
+                    f"at up to {p * N / GIB:.3g} GiB more per GPU; " if p * N / GIB <= spare_gib else "")
+            return (f"ZeRO-3 gathers up to {again / 1e6:,.0f}M parameters again in each micro-batch's backward "
+                    f"({k * (world - 1) / world * again * p / GIB:.3g} GiB per GPU per step): "
+                    f"{keep}fewer, larger micro-batches gather less")
+    return ""
 
 
 def _sp_sizes(args: ModelArgs, seq_len: int) -> list[int]:
@@ -424,7 +545,8 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         compute_s = (fpt + head_again) * tokens_per_step / (world * flops_s)
         # ZeRO's groups are the ranks holding one tensor-parallel slice: a node holds
         # gpus_per_node / tp of each.
-        intra, inter = zero_traffic(local, stage, zero_world, k, p, g, max(a.gpus_per_node // tp, 1), hpz)
+        intra, inter = zero_traffic(local, stage, zero_world, k, p, g, max(a.gpus_per_node // tp, 1), hpz,
+                                    **_zero3_gathers(cfg, args, tp))
         allreduced = allreduced_params(args, bucket) if muon and stage == 3 else 0
         extra_rs = k * (world - 1) / world * allreduced * g  # an all-reduce moves twice a reduce-scatter's bytes
         if world <= a.gpus_per_node:
@@ -500,7 +622,8 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
                                       - (8 - g) * here.get("muon", {}).get("params", 0))
                                      / (a.gpus // d.tensor_parallel if stage >= 1 else 1)) / GIB,
         "optimizer": cfg.optimizer.name,
-        "scaling": scaling, "fit_hint": fit_hint(cfg),
+        "scaling": scaling, "fit_hint": fit_hint(cfg), "comm_hint": comm_hint(cfg, args, a.gpus, here["grad_accum"], p,
+                                                                  a.gpu_memory_gib - here["memory_gib_per_gpu"]),
         "kv_replication": kv_replication(args.kv_heads, d.sequence_parallel),
         "activation_checkpointing": t.activation_checkpointing > 0,
         "sequence_parallel_table": by_sp, "sequence_parallel_needed": needed,
@@ -616,6 +739,7 @@ def report(e: dict) -> str:
         f"time at {a['mfu']:.0%} MFU of {a['peak_tflops']:g} TFLOPS: {e['step_s']:.3g} s per step, "
         f"{e['total_h']:.3g} h for {e['steps']:,} steps",
         _comm_line(e),
+        *([e["comm_hint"]] if e["comm_hint"] else []),
         *([_a2a_line(e)] if sp > 1 else []),
         *([_tp_line(e)] if e["tensor_parallel"] > 1 else []),
         *([_muon_line(e)] if muon else []),

@@ -256,6 +256,7 @@ def deepspeed_config(cfg: Config, world_size: int, precision: str, local_size: i
     if d.zero_stage == 3:
         zero.update(stage3_param_persistence_threshold=sizes["param_persistence_threshold"],
                     stage3_prefetch_bucket_size=sizes["prefetch_bucket_size"],
+                    stage3_max_reuse_distance=d.max_reuse_distance,
                     stage3_gather_16bit_weights_on_model_save=False)
     if d.hpz:  # ZeRO++: a second copy of the 16-bit weights sharded over each node's ranks
         zero["zero_hpz_partition_size"] = local_size

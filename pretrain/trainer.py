@@ -7,6 +7,7 @@ StopRequested for the entry point to turn into exit codes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -24,6 +25,7 @@ from pretrain.model import ulysses
 from pretrain.optim import set_lr
 from pretrain.parallelize import trainer_clips
 from pretrain.resilience import Rollbacks, Spikes
+from pretrain.traffic import Traffic
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ class Trainer:
         self._stats = self._host_stats = None  # this step's reduced losses: on the device, and once read
         self.faults = faults.Injector(faults.from_env(), env.rank, ckpt.run.path)  # PRETRAIN_FAULT (docs/reliability.md)
         self.watchdog = self.stragglers = self.compute_clock = None  # pretrain/resilience.py, while fit() runs
+        self.traffic = None  # the last step's collectives, counted when it is logged (pretrain/traffic.py)
         r = cfg.resilience
         self.spikes = Spikes(r.spike_sigma, r.spike_window, r.spike_warmup)
         self.rollbacks = Rollbacks(r, ckpt.run.path, ckpt.run.run_id, env.is_main, self.accum)
@@ -370,7 +373,11 @@ class Trainer:
                     self.timers = timers
                 self.rollbacks.skip(self.data_iter, self.step + 1, self._progress)
                 step_start = time.perf_counter()
-                loss = self.train_step()
+                logs = (self.step + 1) % cfg.logging.log_every == 0 or self.step + 1 == t.max_steps
+                # The bytes of a logged step's collectives: a Python call per op of the step, so only then.
+                self.traffic = Traffic() if logs and cfg.logging.comm_bytes else None
+                with self.traffic or contextlib.nullcontext():
+                    loss = self.train_step()
                 self.watchdog.step_took(time.perf_counter() - step_start)
                 if self._spike:
                     target = self.rollbacks.spiked(self.step, self.ckpt)
@@ -539,6 +546,8 @@ class Trainer:
             "perf/outside_compute_share": max(0.0, 1 - self.timers["compute"] / elapsed),
             **memory_stats(self.env.device), **self._axes(),
         }
+        if self.traffic is not None:
+            record.update(self.traffic.metrics())
         if self.peak:
             record["perf/mfu"] = per_device * self.flops_per_token / self.peak
         record.update(self.data_metrics())

@@ -69,6 +69,15 @@ def test_several_problems_reported_together():
     assert any("train.precision='fp8'" in p for p in problems)
 
 
+def test_traffic_settings_are_checked():
+    with pytest.raises(ConfigError, match="distributed.max_reuse_distance=-1 must be >= 0"):
+        load_config(None, ["distributed.max_reuse_distance=-1"])
+    with pytest.raises(ConfigError, match="logging.comm_bytes must be bool"):
+        load_config(None, ["logging.comm_bytes=3"])
+    cfg = load_config(None, ["logging.comm_bytes=true", "distributed.max_reuse_distance=0"])
+    assert cfg.logging.comm_bytes and cfg.distributed.max_reuse_distance == 0
+
+
 @pytest.mark.parametrize("value", ["-1.0", "nan"])
 def test_checkpoint_every_minutes_must_be_a_number_from_zero(value):
     with pytest.raises(ConfigError, match=f"checkpoint.every_minutes={value} must be a number >= 0"):

@@ -13,13 +13,13 @@ import torch
 from helpers import REPO, TINY, free_port, train_env
 from pretrain.cli import main
 from pretrain.config import load_config
-from pretrain.estimate import (Assumptions, activation_bytes, allreduced_params, block_matrices, comm_bytes, estimate,
-                               fit_hint, largest_layer_params, model_state_bytes, muon_matrices, muon_step,
-                               newton_schulz_flops, report, sequence_exchange_bytes, tensor_parallel_bytes,
-                               tensor_parallel_params, zero_traffic)
+from pretrain.estimate import (Assumptions, activation_bytes, allreduced_params, block_matrices, comm_bytes,
+                               comm_volume, estimate, fit_hint, largest_layer_params, model_state_bytes, muon_matrices,
+                               muon_step, newton_schulz_flops, report, sequence_exchange_bytes, tensor_parallel_bytes,
+                               tensor_parallel_params, zero3_gathered, zero_traffic)
 from pretrain.model.args import PRESETS, ModelArgs
 from pretrain.model.model import Transformer, num_params
-from pretrain.parallelize import apply_activation_checkpointing
+from pretrain.parallelize import apply_activation_checkpointing, zero_sizes
 
 
 def saved_by_autograd(model, tokens, labels, chunk, mlp_chunk=0) -> int:
@@ -588,12 +588,14 @@ def test_tensor_parallel_splits_the_block_matrices():
         assert tensor_parallel_params(args, n, t) == local and r["grad_accum"] == k
         assert r["memory_parts_gib"]["weights"] == pytest.approx(2 * local / dp / 2**30)
         assert r["memory_parts_gib"]["optimizer"] == pytest.approx(12 * local / dp / 2**30)
-        assert r["comm_gib_per_gpu"] == pytest.approx(comm_bytes(local, 3, dp, k, 2, 4) / 2**30)
+        # ZeRO-3's gathers of a rank's 1/t of each block matrix (counted rule: zero3_gathered)
+        z = zero3_gathered(args, zero_sizes(cfg)["param_persistence_threshold"], cfg.distributed.max_reuse_distance, t)
+        assert r["comm_gib_per_gpu"] == pytest.approx(comm_bytes(local, 3, dp, k, 2, 4, **z) / 2**30)
         # Per micro-batch 1/t of the block matrices, t times the micro-batches: per step the block
-        # matrices move what plain ZeRO-3 moves, the rest (embedding, head, norms) t times that.
+        # matrices' gradients move what plain ZeRO-3 moves, the rest (embedding, head, norms) t times that.
         k_plain = plain["grad_accum"]
-        assert r["comm_gib_per_gpu"] == pytest.approx(
-            (2 * 2 + 4) * k_plain * (dp - 1) / dp * (block + t * (n - block)) / 2**30)
+        assert comm_volume(local, 3, dp, k, 2, 4, **z)["reduce_scatter"] == pytest.approx(
+            4 * k_plain * (dp - 1) / dp * (block + t * (n - block)))
         allreduce = 2 * (t - 1) / t * 4096 * args.dim * 2
         assert tensor_parallel_bytes(args, 4096, 2, t) == allreduce
         assert r["tp_allreduce_gib_per_gpu"] == pytest.approx(k * (4 + 2) * args.n_layers * allreduce / 2**30)

@@ -89,6 +89,7 @@ def test_zero_sizes_follow_the_hidden_size_unless_set():
     ds = deepspeed_config(cfg, world_size=8, precision="bf16")["zero_optimization"]
     assert (ds["reduce_bucket_size"], ds["stage3_prefetch_bucket_size"], ds["stage3_param_persistence_threshold"]) \
         == (4096 ** 2, int(0.9 * 4096 ** 2), 40960)
+    assert ds["stage3_max_reuse_distance"] == 10**9  # DeepSpeed's default, written (pretrain estimate counts by it)
     cfg = load_config(None, ["distributed.reduce_bucket_size=1000", "distributed.prefetch_bucket_size=500",
                              "distributed.param_persistence_threshold=0"])
     assert zero_sizes(cfg) == {"reduce_bucket_size": 1000, "prefetch_bucket_size": 500,
