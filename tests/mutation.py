@@ -341,6 +341,26 @@ MUTANTS = [
            "Muon's rate is DeepSpeed's own (no match_adamw factor): AdamW's rate does not carry over",
            "tests/test_muon.py::test_rate_rule_matches_torch_match_rms_adamw",
            "tests/test_muon.py::test_muon_steps_as_torch_muon_does"),
+    # -- Parallel layouts (#33)
+    mutant("tp-replicates", "pretrain/parallelize.py",
+           '        **({"tensor_parallel": tensor_parallel_config(d.tensor_parallel)} if d.tensor_parallel > 1 else {}),\n',
+           "",
+           "distributed.tensor_parallel replicates the matrices instead of splitting them (AutoTP never set up)",
+           "tests/test_tensor_parallel.py::test_each_rank_holds_its_slice_of_the_tp1_weights"),
+    mutant("tp-merge-first-slice", "pretrain/checkpoint.py",
+           "        out[name] = first if dim is None else torch.cat([s[name] for s in slices], dim=dim)",
+           "        out[name] = first",
+           "a tensor-parallel checkpoint consolidates to tensor-parallel rank 0's slices",
+           "tests/test_tensor_parallel.py::test_tp2_by_dp2_on_four_ranks_trains_resumes_and_evaluates_as_tp1"),
+    mutant("tp-tasks-per-rank", "pretrain/trainer.py",
+           "            rank, world = (env.dp_rank, env.dp_size) if env.tp > 1 else (env.rank, env.world_size)",
+           "            rank, world = env.rank, env.world_size",
+           "task eval under tensor parallelism: the ranks of a group score different requests in one forward",
+           "tests/test_tensor_parallel.py::test_tp2_by_dp2_on_four_ranks_trains_resumes_and_evaluates_as_tp1"),
+    mutant("hpz-ignored", "pretrain/parallelize.py",
+           '        zero["zero_hpz_partition_size"] = local_size', "        pass",
+           "distributed.hpz=true is ignored: every ZeRO-3 gather crosses nodes",
+           "tests/test_hpz.py::test_hpz_trains_exactly_as_zero3_with_its_gathers_inside_the_node"),
 ]
 
 
