@@ -153,8 +153,8 @@ class Injector:
                     time.sleep(1)
             if f.kind == "crash":
                 os.kill(os.getpid(), signal.SIGKILL)  # as a lost node or the OOM killer would
-            if f.kind == "signal":
-                os.killpg(os.getpgrp(), f.signum)  # (data workers included, as a terminal's Ctrl-C)
+            if f.kind == "signal":  # to the process group (data workers included), as a terminal's Ctrl-C
+                _signal_group_from_outside(f.signum)
             if f.kind == "slow":
                 time.sleep(f.seconds)
 
@@ -169,3 +169,15 @@ class Injector:
             if f.kind in ("nan", "spike") and self._fires(i, f, step):
                 loss = loss * (float("nan") if f.kind == "nan" else f.factor)
         return loss
+
+
+def _signal_group_from_outside(signum: int) -> None:
+    """Send `signum` to this process's group from another process, as scancel or a terminal does,
+    and return once it is sent. Not from this one: a data worker takes a SIGTERM from its own parent
+    (this process) as its shutdown and exits (data_pipeline/loader.py), and the step then fails for
+    want of data, now and then, where a real scancel leaves the workers running."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", f"import os; os.killpg({os.getpgrp()}, {signum})"], check=False,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
