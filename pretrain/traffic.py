@@ -81,11 +81,12 @@ class Traffic(TorchDispatchMode):
     `t.bytes` maps (kind, "intra" | "inter") to bytes through this rank, `t.metrics()` gives the
     logged form."""
 
-    def __init__(self):
+    def __init__(self, per_node: int | None = None):
+        """`per_node`: ranks per node (the trainer passes its Dist.local_size; else the launcher's)."""
         super().__init__()
         self.bytes: dict[tuple[str, str], float] = {}
         self._spans: dict[str, tuple[int, int, str]] = {}  # group name -> (size, this rank in it, where)
-        self._per_node = local_world_size()
+        self._per_node = per_node or local_world_size()
 
     def _group(self, boxed) -> tuple[int, int, str]:
         group = dist.ProcessGroup.unbox(boxed)

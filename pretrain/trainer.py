@@ -375,7 +375,7 @@ class Trainer:
                 step_start = time.perf_counter()
                 logs = (self.step + 1) % cfg.logging.log_every == 0 or self.step + 1 == t.max_steps
                 # The bytes of a logged step's collectives: a Python call per op of the step, so only then.
-                self.traffic = Traffic() if logs and cfg.logging.comm_bytes else None
+                self.traffic = Traffic(self.env.local_size) if logs and cfg.logging.comm_bytes else None
                 with self.traffic or contextlib.nullcontext():
                     loss = self.train_step()
                 self.watchdog.step_took(time.perf_counter() - step_start)
