@@ -59,7 +59,7 @@ def synthetic_source(out: Path, tokens: int) -> Path:
     return out
 
 
-def run_trainer(a, preset: str, micro: int, ac: int, compile_: bool, data: Path) -> dict:
+def run_trainer(a, preset: str, micro: int, ac: int, compile_: bool, data: Path, docmask: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-c", TRAIN_WITHOUT_FINAL_SAVE, "train", str(REPO / "configs" / "tiny.yaml"),
                f"model.preset={preset}", f"model.vocab_size={VOCAB}", f"model.max_seq_len={a.seq_len}",
@@ -67,30 +67,43 @@ def run_trainer(a, preset: str, micro: int, ac: int, compile_: bool, data: Path)
                "data.num_streams=1", f"train.micro_batch_size={micro}", f"train.max_steps={a.steps}",
                f"train.activation_checkpointing={ac}", f"train.compile={str(compile_).lower()}", "train.eval_every=0",
                "distributed.zero_stage=0", f"logging.log_every={a.warmup}", "logging.wandb=disabled",
-               "logging.progress=false", f"train.run_dir={tmp}"]
+               "logging.progress=false", f"train.run_dir={tmp}", f"model.document_mask={str(docmask).lower()}"]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if proc.returncode:
             return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
         rows = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "perf/tokens_per_s" in r][1:]  # the first window is the warm-up
-    out = {"tokens_per_s": statistics.median(r["perf/tokens_per_s_per_device"] for r in rows)}
+    out = {"tokens_per_s": statistics.median(r["perf/tokens_per_s_per_device"] for r in rows),
+           "losses": [r["train/loss"] for r in rows if "train/loss" in r]}
     if "memory/gpu_peak_allocated_gib" in rows[-1]:
         out["peak_gib"] = max(r["memory/gpu_peak_allocated_gib"] for r in rows)
     return out
 
 
-def run_loop(a, preset: str, micro: int, ac: int, compile_: bool, hf: bool) -> dict:
-    """The plain loop or HF's model (in this process), timed over the steps after the warm-up."""
+def run_loop(a, preset: str, micro: int, ac: int, compile_: bool, kind: str) -> dict:
+    """The plain loop or HF's model (in this process), timed over the steps after the warm-up.
+
+    kind: plain | hf | plain-fp8 (torchao float8 training, tensorwise, of every block's linear layer) |
+    docmask-flex / docmask-dense (the plain loop with document masking: documents of random lengths,
+    FlexAttention's block mask, or the dense boolean mask through SDPA). Every step's loss is
+    returned, so that two kinds from the same seed can be compared step by step."""
     import torch
     import torch.nn.functional as F
+
+    import pretrain.model.model as model_module
 
     from pretrain.model.args import PRESETS, ModelArgs
     from pretrain.model.hf import to_hf_config
     from pretrain.model.model import Transformer
     from pretrain.parallelize import apply_activation_checkpointing
 
+    hf = kind == "hf"
     dev = torch.device(a.device)
-    args = ModelArgs(**{**PRESETS[preset], "vocab_size": VOCAB, "max_seq_len": a.seq_len})
+    docmask = kind.startswith("docmask")
+    args = ModelArgs(**{**PRESETS[preset], "vocab_size": VOCAB, "max_seq_len": a.seq_len, "document_mask": docmask,
+                          "eot_id": 0})  # (documents are given: the id is unused)
+    if kind == "docmask-dense":
+        model_module.FLEX_DEVICES = set()
     torch.manual_seed(0)
     if hf:
         from transformers import LlamaForCausalLM
@@ -104,16 +117,23 @@ def run_loop(a, preset: str, micro: int, ac: int, compile_: bool, hf: bool) -> d
         model = Transformer(args)
         model.init_weights()
         model = model.to(dev)
+        if kind == "plain-fp8":
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(a.fp8_recipe),
+                                       module_filter_fn=lambda m, name: name != "output")
         apply_activation_checkpointing(model, ac)
     if compile_:
         model.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
     x = torch.randint(0, VOCAB, (micro, a.seq_len), device=dev)
     y = torch.randint(0, VOCAB, (micro, a.seq_len), device=dev)
+    # documents of 1..seq_len/4 tokens (random boundaries), the same for both masks
+    docs = (torch.rand(micro, a.seq_len, device=dev) < 8 / a.seq_len).cumsum(-1) if docmask else None
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, losses = [], []
     for step in range(a.steps):
         if dev.type == "cuda":
             torch.cuda.synchronize()
@@ -122,14 +142,14 @@ def run_loop(a, preset: str, micro: int, ac: int, compile_: bool, hf: bool) -> d
             if hf:
                 loss = F.cross_entropy(model(x).logits.float().flatten(0, 1), y.flatten())
             else:
-                loss = model(x, y)  # the chunked loss, as the trainer uses it
+                loss = model(x, y, documents=docs)  # the chunked loss, as the trainer uses it
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss.item()
+        losses.append(loss.item())
         times.append(time.perf_counter() - t0)
-    out = {"tokens_per_s": micro * a.seq_len / statistics.median(times[a.warmup:])}
+    out = {"tokens_per_s": micro * a.seq_len / statistics.median(times[a.warmup:]), "losses": losses}
     if dev.type == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
@@ -142,6 +162,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10, help="untimed steps (compilation); --steps a multiple of it")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--kinds", default="trainer,plain,hf",
+                   help="of trainer, trainer-docmask, plain, hf, plain-fp8, docmask-flex, docmask-dense")
+    p.add_argument("--ac", default="0,1", help="activation checkpointing settings to run (0 off, 1 every block)")
+    p.add_argument("--compile", default="0,1", help="compile settings to run (0 off, 1 on)")
+    p.add_argument("--fp8-recipe", default="tensorwise", help="torchao float8 recipe for plain-fp8")
     p.add_argument("--peak-flops", type=float, default=0.0,
                    help="peak FLOP/s of the GPU for MFU (default: by its name, for bf16 dense)")
     p.add_argument("--json", help="write every figure here")
@@ -149,7 +174,7 @@ def main() -> None:
     a = p.parse_args()
     if a.loop:
         kind, preset, micro, ac, comp = a.loop.split()
-        print(json.dumps(run_loop(a, preset, int(micro), int(ac), comp == "1", kind == "hf")))
+        print(json.dumps(run_loop(a, preset, int(micro), int(ac), comp == "1", kind)))
         return
     from pretrain.metrics import peak_flops_for
     from pretrain.model.args import PRESETS, ModelArgs
@@ -164,16 +189,17 @@ def main() -> None:
             micro = MICRO[preset]
             data = synthetic_source(Path(tmp) / preset, (a.steps + 2) * micro * (a.seq_len + 1) + 1)
             fpt = flops_per_token(ModelArgs(**{**PRESETS[preset], "vocab_size": VOCAB}), a.seq_len)
-            for ac in (0, 1):
-                for comp in (False, True):
+            for ac in map(int, a.ac.split(",")):
+                for comp in (c == "1" for c in a.compile.split(",")):
                     row = {"preset": preset, "micro_batch": micro, "seq_len": a.seq_len, "ac": ac, "compile": comp}
-                    kinds = ["trainer", "plain", "hf"]
+                    kinds = a.kinds.split(",")
                     for kind in kinds if (ac + comp) % 2 == 0 else kinds[::-1]:  # alternate the order
-                        if kind == "trainer":
-                            got = run_trainer(a, preset, micro, ac, comp, data)
+                        if kind.startswith("trainer"):
+                            got = run_trainer(a, preset, micro, ac, comp, data, docmask=kind == "trainer-docmask")
                         else:
                             proc = subprocess.run([sys.executable, __file__, "--device", a.device, "--seq-len",
                                                    str(a.seq_len), "--steps", str(a.steps), "--warmup", str(a.warmup),
+                                                   "--fp8-recipe", a.fp8_recipe,
                                                    "--loop", f"{kind} {preset} {micro} {ac} {int(comp)}"],
                                                   cwd=REPO, capture_output=True, text=True)
                             got = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else \
@@ -181,25 +207,27 @@ def main() -> None:
                         if "tokens_per_s" in got and peak:
                             got["mfu"] = got["tokens_per_s"] * fpt / peak
                         row[kind] = got
+                        print(json.dumps({"kind": kind, **got}), flush=True)
                     results.append(row)
-                    print(_line(row), flush=True)
-    print("\n| preset | AC | compile | trainer tok/s | MFU | peak GiB | plain tok/s | MFU | HF tok/s | MFU |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+                    print(json.dumps(row), flush=True)
+                    if a.json:  # after every row: a run cut short keeps what it measured
+                        Path(a.json).write_text(json.dumps({"results": results, "peak_flops": peak, "vocab": VOCAB,
+                                                            "device": _device(a.device)}, indent=1))
+    print("\n| preset | AC | compile | kind | tok/s | MFU | peak GiB | final loss |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(_line(r))
-    if a.json:
-        Path(a.json).write_text(json.dumps({"results": results, "peak_flops": peak, "vocab": VOCAB,
-                                            "device": _device(a.device)}, indent=1))
+        for kind in a.kinds.split(","):
+            print(_line(r, kind))
 
 
-def _line(r: dict) -> str:
-    def f(k, key, fmt):
-        v = r[k].get(key)
-        return fmt.format(v) if v is not None else r[k].get("error", "-") if key == "tokens_per_s" else "-"
-    return (f"| {r['preset']} | {r['ac']} | {int(r['compile'])} | {f('trainer', 'tokens_per_s', '{:,.0f}')} | "
-            f"{f('trainer', 'mfu', '{:.1%}')} | {f('trainer', 'peak_gib', '{:.1f}')} | "
-            f"{f('plain', 'tokens_per_s', '{:,.0f}')} | {f('plain', 'mfu', '{:.1%}')} | "
-            f"{f('hf', 'tokens_per_s', '{:,.0f}')} | {f('hf', 'mfu', '{:.1%}')} |")
+def _line(r: dict, kind: str) -> str:
+    got = r[kind]
+    if "tokens_per_s" not in got:
+        return f"| {r['preset']} | {r['ac']} | {int(r['compile'])} | {kind} | {got.get('error')} | | | |"
+    mfu, peak, losses = got.get("mfu"), got.get("peak_gib"), got.get("losses")
+    return (f"| {r['preset']} | {r['ac']} | {int(r['compile'])} | {kind} | {got['tokens_per_s']:,.0f} | "
+            f"{'-' if mfu is None else f'{mfu:.1%}'} | {'-' if peak is None else f'{peak:.1f}'} | "
+            f"{'-' if not losses else f'{losses[-1]:.4f}'} |")
 
 
 def _gpu_name(device: str) -> str:
