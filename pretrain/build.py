@@ -12,7 +12,7 @@ from pretrain import distributed, hub
 from pretrain.config import Config
 from pretrain.errors import ConfigError
 from pretrain.metrics import JsonlLogger, Loggers, MetricLogger, WandbLogger
-from pretrain.model.args import ROPE_FIELDS, ModelArgs
+from pretrain.model.args import MASK_FIELDS, ROPE_FIELDS, ModelArgs
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,9 @@ _ARCH = {"dim": "dim", "n_layers": "n_layers", "n_heads": "n_heads", "kv_heads":
 def hf_model_args(cfg: Config) -> ModelArgs:
     """The model of `checkpoint.init_from`, a Hugging Face model: its config.json defines it. The
     fields the run config's `model:` section sets are applied on top: the RoPE settings and
-    max_seq_len replace config.json's (continuing at a longer context); any other change of the
-    architecture is an error, not silently mixed."""
+    max_seq_len replace config.json's (continuing at a longer context), and the document masking
+    fields (MASK_FIELDS), which config.json does not hold, are the run config's; any other change of
+    the architecture is an error, not silently mixed."""
     if cfg.model.parametrization != "sp":
         raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from} is a Hugging Face model, whose "
                           f"weights are in the standard parametrization: fine-tune it with "
@@ -68,7 +69,7 @@ def hf_model_args(cfg: Config) -> ModelArgs:
                           + ": remove these from the model section (or make them match)")
     if cfg.model.max_seq_len != default.max_seq_len:
         args.max_seq_len = cfg.model.max_seq_len
-    return dataclasses.replace(args, **{f: getattr(merged, f) for f in ROPE_FIELDS if f != "max_seq_len"})
+    return dataclasses.replace(args, **{f: getattr(merged, f) for f in ROPE_FIELDS + MASK_FIELDS if f != "max_seq_len"})
 
 
 def data(cfg: Config, tokenizer, env: distributed.Dist):

@@ -5,9 +5,9 @@ Layout of run_dir/checkpoints/:
     step_00000200/           one complete checkpoint (the name is only ever given to a complete one)
         mp_rank_00_model_states.pt, zero_pp_rank_R_mp_rank_T_optim_states.pt   DeepSpeed's shards
                              (R: data-parallel rank, T: tensor-parallel rank)
-        meta.json            format, step, run id, world size, data- and tensor-parallel sizes, model
-                             shape, ZeRO stage, optimizer, tokenizer
-                             fingerprint, package version and git commit
+        meta.json            format, step, run id, world size, data-, tensor- and sequence-parallel
+                             sizes, model shape, ZeRO stage, optimizer, tokenizer fingerprint,
+                             package version and git commit
         trainer_state.json   data_state.json   rng_state.json    one file per tracked state
         config.yaml          the resolved run config
         tokenizer.json       the tokenizer, so a checkpoint exports and samples on its own
@@ -60,7 +60,7 @@ SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "hidden_
 # Fields that change what the model computes, not its shapes: a resume must keep them (it continues
 # one run); fine-tuning may change them (a larger rope_theta to extend the context, say).
 FUNCTION_FIELDS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                   "rope_original_max_seq_len")
+                   "rope_original_max_seq_len", "document_mask", "document_positions", "eot_id")
 
 
 def step_dir_name(step: int) -> str:
@@ -260,7 +260,8 @@ class CheckpointManager:
                 + ": its weights mean another model under these multipliers; set the checkpoint's values "
                   "(or export it and fine-tune from the export, which is sp)"))
         if diff:
-            what = "model shape" if any(d.split(":")[0] in SHAPE_FIELDS for d in diff) else "model (RoPE, norm)"
+            what = "model shape" if any(d.split(":")[0] in SHAPE_FIELDS for d in diff) \
+                else "model (RoPE, norm, document masking)"
             raise collective(CheckpointError(f"checkpoint {ckpt} has another {what} ({'; '.join(diff)}): "
                                               "use the model config it was saved with"
                                               + ("" if what == "model shape" else " (to change it, fine-tune from "
@@ -603,7 +604,7 @@ class CheckpointManager:
                 "model_function": model_shape(self.model_args, FUNCTION_FIELDS),
                 "model_parametrization": self.model_args.parametrization_spec(),
                 "zero_stage": self.zero_stage, "optimizer": self._optimizer_name(), "tensor_parallel": self.env.tp,
-                "data_parallel": self.env.dp_size,
+                "sequence_parallel": self.env.sp, "data_parallel": self.env.dp_size,
                 "fingerprint": {"tokenizer": self.tokenizer_fingerprint},
                 **self.provenance}
         files["meta.json"] = json.dumps(meta, indent=2)
@@ -681,24 +682,40 @@ def partitioned(ckpt: Path) -> bool:
 
 
 def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Full fp32 weights of a checkpoint saved at any world size: partitioned ones by DeepSpeed's own
-    consolidation (the same code as its zero_to_fp32.py), whole ones from the model states file.
-    Under tensor parallelism, each tensor-parallel rank's ZeRO shards are consolidated apart and
-    the slices joined along the dimension AutoTP split (parallelize.TP_SPLITS)."""
-    if not partitioned(ckpt):
-        state = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
-        return {k: v.float() for k, v in state["module"].items()}
-    tp = len(list(ckpt.glob("zero_pp_rank_0_mp_rank_*_optim_states.pt")))
-    if tp <= 1:
-        return _zero_consolidated(ckpt)
+    """Full fp32 weights of a checkpoint saved at any world size and ZeRO stage: partitioned ones
+    by DeepSpeed's own consolidation (the same code as its zero_to_fp32.py), whole ones from the
+    model states file. Under tensor parallelism (DeepSpeed writes one set of files per
+    tensor-parallel rank, `mp_rank_TT`), each rank's weights are consolidated apart and the slices
+    joined along the dimension AutoTP split (parallelize.TP_SPLITS)."""
+    ranks = tensor_parallel_ranks(ckpt)
+    slices = [_consolidated(ckpt, tp_rank, len(ranks)) for tp_rank in ranks]
+    if len(slices) == 1:
+        return slices[0]
     from pretrain.parallelize import tensor_parallel_dim
 
-    slices = [_zero_consolidated(ckpt, tp_rank) for tp_rank in range(tp)]
     out = {}
     for name, first in slices[0].items():
         dim = tensor_parallel_dim(name)
         out[name] = first if dim is None else torch.cat([s[name] for s in slices], dim=dim)
     return out
+
+
+_MP_RANK = re.compile(r"(^|_)mp_rank_(\d+)_")
+
+
+def tensor_parallel_ranks(ckpt: Path) -> list[int]:
+    """The tensor-parallel ranks a checkpoint has files of (`mp_rank_TT` in DeepSpeed's names: stage
+    0-2's `mp_rank_TT_model_states.pt`, the `zero_pp_rank_R_mp_rank_TT_*` shards)."""
+    found = {int(m.group(2)) for f in ckpt.glob("*.pt") if (m := _MP_RANK.search(f.name))}
+    return sorted(found) or [0]
+
+
+def _consolidated(ckpt: Path, tp_rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """The fp32 weights one tensor-parallel rank holds (the whole model when tp = 1)."""
+    if not partitioned(ckpt):
+        state = torch.load(ckpt / f"mp_rank_{tp_rank:02d}_model_states.pt", map_location="cpu", weights_only=True)
+        return {k: v.float() for k, v in state["module"].items()}
+    return _zero_consolidated(ckpt, tp_rank if tp > 1 else None)
 
 
 def _zero_consolidated(ckpt: Path, tp_rank: int | None = None) -> dict[str, torch.Tensor]:
@@ -713,17 +730,22 @@ def _zero_consolidated(ckpt: Path, tp_rank: int | None = None) -> dict[str, torc
             return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
         view = Path(stack.enter_context(tempfile.TemporaryDirectory())) / ckpt.name
         view.mkdir()
-        mine = f"_mp_rank_{tp_rank:02d}_"
-        for f in ckpt.glob(f"*{mine}*.pt"):
-            (view / f.name.replace(mine, "_mp_rank_00_")).symlink_to(f.resolve())
+        for f in ckpt.glob("*.pt"):
+            m = _MP_RANK.search(f.name)
+            if m and int(m.group(2)) == tp_rank:
+                (view / _MP_RANK.sub(r"\1mp_rank_00_", f.name, count=1)).symlink_to(f.resolve())
         return get_fp32_state_dict_from_zero_checkpoint(str(view.parent), tag=view.name)
 
 
 def load_weights(model: torch.nn.Module, ckpt: Path, env: distributed.Dist, zero3: bool) -> None:
     """Copy the weights of a checkpoint or a Hugging Face model directory into a freshly built
-    (possibly ZeRO-3 partitioned) model. Rank 0 reads (a checkpoint consolidated, an HF model one
-    tensor at a time); the values reach the other ranks through the gather/broadcast, one parameter
-    at a time, so no rank holds the whole model at once beyond what its reader needs."""
+    (possibly ZeRO-3 partitioned) model, before the engine exists (AutoTP splits the matrices
+    later, from these whole ones). Rank 0 reads (a checkpoint consolidated, an HF model one tensor
+    at a time); the values reach the other ranks one parameter at a time, so no rank holds the
+    whole model at once beyond what its reader needs. ZeRO-3 gathers and re-partitions within
+    each data-parallel group, from its first rank: under tensor parallelism there is one such
+    group per tensor-parallel rank, whose first ranks (0 .. tp-1, the first tensor-parallel group)
+    each get the value from rank 0 first."""
     from pretrain import hub
 
     state = {}
@@ -738,8 +760,11 @@ def load_weights(model: torch.nn.Module, ckpt: Path, env: distributed.Dist, zero
     for name, param in model.named_parameters():
         if zero3:
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                if env.is_main:
-                    param.data.copy_(state[name])
+                if env.dp_rank == 0:  # the data-parallel group's first rank (modifier_rank=0 within it)
+                    value = state[name].to(param.device, param.dtype) if env.is_main else torch.empty_like(param.data)
+                    if env.tp > 1:  # (ranks 0 .. tp-1: the first tensor-parallel group)
+                        distributed.broadcast(value, group=distributed.tensor_group())
+                    param.data.copy_(value)
         else:
             if env.is_main:
                 param.data.copy_(state[name])

@@ -298,21 +298,31 @@ class Config:
         if d.hpz and tp > 1:
             out.append("distributed.hpz and distributed.tensor_parallel do not combine yet (hpZ's node groups span "
                        "the whole world, not the data-parallel ranks): use one of them")
-        if world_size is not None and not out:
-            name, sp = ("tensor_parallel", tp) if tp > 1 else ("sequence_parallel", sp)  # (the ranks reading one batch)
-            if world_size % sp:
-                out.append(f"distributed.{name}={sp} does not divide the world size {world_size}: "
+        if world_size is not None:
+            out += self._world_problems(world_size)
+        return out
+
+    def _world_problems(self, world_size: int) -> list[str]:
+        """How the layout and the batch split over `world_size` ranks: the parallel sizes must divide
+        the world, the global batch the data-parallel ranks (checked where the sizes themselves are
+        valid; their own problems are reported above)."""
+        d, t, out = self.distributed, self.train, []
+        group = max(d.sequence_parallel, 1) * max(d.tensor_parallel, 1)  # the ranks reading one batch
+        for name, size in (("tensor_parallel", d.tensor_parallel), ("sequence_parallel", d.sequence_parallel)):
+            if size > 1 and world_size % size:
+                out.append(f"distributed.{name}={size} does not divide the world size {world_size}: "
                            f"use one of {_divisor_hint(world_size)}")
-                return out
-            dp = world_size // sp
-            try:
-                self.grad_accum(dp)
-            except ConfigError as e:
-                out.append(str(e))
-            if self.data.num_streams % dp:
-                what = "world size" if sp == 1 else "data-parallel size"  # (sp: the ranks reading one batch)
-                out.append(f"data.num_streams={self.data.num_streams} is not divisible by the {what} "
-                           f"{dp}: set data.num_streams to a multiple of it (it is fixed for a run)")
+        if out or world_size % group or t.micro_batch_size <= 0 or self.data.seq_len <= 0:
+            return out
+        dp = world_size // group
+        try:
+            self.grad_accum(dp)
+        except ConfigError as e:
+            out.append(str(e))
+        if self.data.num_streams % dp:
+            what = "world size" if group == 1 else "data-parallel size"  # (the group: the ranks reading one batch)
+            out.append(f"data.num_streams={self.data.num_streams} is not divisible by the {what} "
+                       f"{dp}: set data.num_streams to a multiple of it (it is fixed for a run)")
         return out
 
     def validate(self, world_size: int) -> None:

@@ -40,7 +40,7 @@ class Dist:
     device: torch.device
     sp: int = 1
     tp: int = 1
-    local_size: int = 1  # ranks on this node (the launcher's LOCAL_WORLD_SIZE)
+    local_size: int = 1  # ranks on this node (node_size(): as the launcher says)
 
     @property
     def is_main(self) -> bool:
@@ -86,6 +86,23 @@ def _env_from_slurm() -> None:
     # The same rule as slurm/env.sh: two jobs sharing a node never share a rendezvous port (each
     # job owns a block of 16: its first start's and its restarts').
     os.environ.setdefault("MASTER_PORT", str(15000 + int(os.environ.get("SLURM_JOB_ID", 0)) % (15000 // 16) * 16))
+
+
+# Ranks per node, by launcher: torchrun and accelerate (and a bare srun, translated above) set
+# LOCAL_WORLD_SIZE, the deepspeed launcher (and its MPI runners) LOCAL_SIZE, Open MPI's mpirun
+# OMPI_COMM_WORLD_LOCAL_SIZE. The first one set wins.
+NODE_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+def node_size(environ=None) -> int | None:
+    """The ranks on this node as the launcher set them (NODE_SIZE_VARS), None if it said nothing.
+    Nodes hold consecutive ranks (every launcher numbers them so)."""
+    environ = os.environ if environ is None else environ
+    for var in NODE_SIZE_VARS:
+        value = environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
 
 
 def _device_index(local_rank: int, visible: int) -> int:
@@ -143,13 +160,13 @@ def init(backend: str = "auto", timeout_s: float = 1800.0) -> Dist:
         # The background checkpoint thread's own group: never interleaved with training collectives.
         _CHECKPOINT_GROUP = dist.new_group(backend="gloo", timeout=timeout)
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device,
-                local_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+                local_size=node_size() or dist.get_world_size())
 
 
 _CPU_GROUP = _CHECKPOINT_GROUP = None
 _DEVICE_TYPE = "cpu"  # the device type of the default group's tensors
 _TIMEOUT = None
-_SEQUENCE_GROUP = _DATA_GROUP = None
+_SEQUENCE_GROUP = _DATA_GROUP = _TENSOR_GROUP = None
 
 
 def init_layout(env: Dist, sequence_parallel: int, tensor_parallel: int, hpz: bool = False) -> Dist:
@@ -165,7 +182,7 @@ def init_layout(env: Dist, sequence_parallel: int, tensor_parallel: int, hpz: bo
     a (data-parallel, tensor-parallel) mesh whose tensor-parallel ranks are consecutive, made here so
     that the layout has one owner and ZeRO-3's zero.Init, before the engine, shards over the
     data-parallel ranks; checked against the data's layout (Dist.dp_rank)."""
-    global _SEQUENCE_GROUP, _DATA_GROUP
+    global _SEQUENCE_GROUP, _DATA_GROUP, _TENSOR_GROUP
     if hpz and (env.local_size >= env.world_size or env.world_size % env.local_size):
         from pretrain.errors import ConfigError
 
@@ -182,6 +199,7 @@ def init_layout(env: Dist, sequence_parallel: int, tensor_parallel: int, hpz: bo
             raise RuntimeError(f"DeepSpeed's tensor-parallel group of rank {env.rank} is {tp_ranks}, not the "
                                f"consecutive ranks the data layout assumes")
         _DATA_GROUP = groups.get_data_parallel_group()
+        _TENSOR_GROUP = groups.get_tensor_model_parallel_group()
         return dataclasses.replace(env, tp=tensor_parallel)
     size = sequence_parallel
     if size <= 1 or _SEQUENCE_GROUP is not None:
@@ -200,6 +218,11 @@ def data_parallel_group():
     return _DATA_GROUP
 
 
+def tensor_group():
+    """This rank's tensor-parallel group (DeepSpeed's; None without tensor parallelism)."""
+    return _TENSOR_GROUP
+
+
 def sequence_group():
     """This rank's sequence-parallel group (None without sequence parallelism)."""
     return _SEQUENCE_GROUP
@@ -210,14 +233,26 @@ def cpu_group():
     return _CPU_GROUP
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """Sum (or max) a tensor on this rank's device over all ranks, in place, on the default group
-    (NCCL on GPUs): for values that are already on the device (losses, eval sums), read later."""
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """Sum (or max) a tensor on this rank's device over all ranks (or those of `group`, a group of
+    the default backend), in place (NCCL on GPUs): for values that are already on the device
+    (losses, eval sums, norms), read later."""
     if tensor.device.type != _DEVICE_TYPE:
         raise RuntimeError(f"distributed.all_reduce takes {_DEVICE_TYPE} tensors, got one on {tensor.device}: "
                            "send host values with host_sum/agree_max")
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
+    """Rank `src`'s (its rank within `group`, a group of the default backend) values into `tensor`,
+    a tensor on this rank's device, in place; called by the members of `group` only."""
+    if tensor.device.type != _DEVICE_TYPE:
+        raise RuntimeError(f"distributed.broadcast takes {_DEVICE_TYPE} tensors, got one on {tensor.device}: "
+                           "send host values with broadcast_host")
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
     return tensor
 
 
@@ -391,7 +426,7 @@ def barrier() -> None:
 
 
 def shutdown() -> None:
-    global _SEQUENCE_GROUP, _DATA_GROUP
-    _SEQUENCE_GROUP = _DATA_GROUP = None
+    global _SEQUENCE_GROUP, _DATA_GROUP, _TENSOR_GROUP
+    _SEQUENCE_GROUP = _DATA_GROUP = _TENSOR_GROUP = None
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -45,6 +45,22 @@ def trainer_clips(cfg: Config, precision: str) -> bool:
     return cfg.distributed.zero_stage == 0 and precision == "fp32"
 
 
+def grad_norm(params: list, split: set[int]) -> torch.Tensor:
+    """The whole model's gradient L2 norm where the trainer clips (ZeRO stage 0: each rank holds its
+    parameters' full, data-parallel averaged gradients), as a device tensor. Under tensor
+    parallelism the parameters whose ids are in `split` are this rank's slices: their squares are
+    summed over the tensor-parallel group; the rest (embedding, norms, head) hold the same gradient
+    on every rank of the group and count once. Every rank gets the same norm, so the clip factor,
+    the non-finite check and the spike check agree across the group."""
+    norm = torch.nn.utils.get_total_norm
+    if not split:
+        return norm([p.grad for p in params])
+    whole = [p.grad for p in params if id(p) not in split]
+    sliced = norm([p.grad for p in params if id(p) in split]).float() ** 2
+    total = distributed.all_reduce(sliced, group=distributed.tensor_group())
+    return (total + norm(whole).float() ** 2).sqrt() if whole else total.sqrt()
+
+
 def muon_clips_itself(cfg: Config, precision: str) -> bool:
     """Muon at ZeRO 1-3: DeepSpeed takes the gradient norm after Newton-Schulz, over the Muon updates
     (stage3.py:2885; stage_1_and_2.py orthogonalises while it flattens the gradient partitions), and

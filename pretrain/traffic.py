@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pretrain.distributed import node_size
+
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 
 
@@ -69,11 +71,11 @@ _OPS = {getattr(torch.ops.c10d, name): spec for name, spec in _OPS.items()}
 
 
 def local_world_size() -> int:
-    """Ranks per node: the launcher's LOCAL_WORLD_SIZE (torchrun sets it; pretrain.distributed sets
-    it from Slurm's for a bare srun). Ranks r and s share a node when r // it == s // it, the
-    launchers' consecutive numbering. Without it, one node. A test fakes two nodes by starting
-    the ranks with LOCAL_WORLD_SIZE=1, as two launchers of one rank each would."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+    """Ranks per node as the launcher says (pretrain.distributed.node_size: torchrun's
+    LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE, ...). Ranks r and s share a node when
+    r // it == s // it, the launchers' consecutive numbering. Without it, one node. A test fakes two
+    nodes by starting the ranks with LOCAL_WORLD_SIZE=1, as two launchers of one rank each would."""
+    return node_size() or int(os.environ.get("WORLD_SIZE") or 1)
 
 
 class Traffic(TorchDispatchMode):

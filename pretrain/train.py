@@ -203,11 +203,16 @@ def _train(cfg, env, stop: StopSignal):
         fpt = flops_per_token(model_args, cfg.data.seq_len)
         scaling = {"n_params": n_total, "n_params_non_embedding": n_non_emb, "n_params_matmul": matmul_params(model_args),
                    "flops_per_token": fpt, "world_size": env.world_size, "precision": precision,
-                   "sequence_parallel": env.sp, "tokens_per_step": cfg.global_batch(env.dp_size) * cfg.data.seq_len}
+                   "sequence_parallel": env.sp, "tensor_parallel": env.tp, "data_parallel": env.dp_size,
+                   "tokens_per_step": cfg.global_batch(env.dp_size) * cfg.data.seq_len}
         if env.is_main:
             import json
 
-            (run_dir.path / "config.yaml").write_text(cfg.to_yaml())
+            import yaml
+
+            # the resolved config, as every checkpoint holds it (the model as built: the vocabulary
+            # from the tokenizer, an HF model's shape, the end-of-text id)
+            (run_dir.path / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
             (run_dir.path / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2))
         logger = build.loggers(cfg, env, run_dir.path, run_dir.run_id, start.step,
                                {**resolved, "scaling": {**resolved["scaling"], **scaling}, "provenance": provenance})

@@ -23,7 +23,7 @@ from pretrain.errors import NonFiniteStep
 from pretrain.metrics import MetricLogger, memory_stats, peak_flops
 from pretrain.model import ulysses
 from pretrain.optim import set_lr
-from pretrain.parallelize import trainer_clips
+from pretrain.parallelize import grad_norm, tensor_parallel_dim, trainer_clips
 from pretrain.resilience import Rollbacks, Spikes
 from pretrain.traffic import Traffic
 
@@ -65,6 +65,9 @@ class Trainer:
         self.branches: dict[str, dict] = {}  # finished decay branches: str(end step) -> their results
         self.source_names = dp.source_names(cfg.data.sources)  # data/tokens/NAME
         self.clip = cfg.optimizer.grad_clip if trainer_clips(cfg, precision) else 0.0  # else DeepSpeed clips
+        # (stage 0 under tensor parallelism: the parameters that are this rank's slices, for the norm)
+        self._tp_split = {id(p) for name, p in engine.module.named_parameters()
+                          if env.tp > 1 and tensor_parallel_dim(name) is not None}
         self.grad_norm = None  # the latest global gradient norm, when the trainer computed it
         self._drop_update = False  # this step's update was dropped for a non-finite loss
         self._grad_nonfinite = False  # the update was dropped for a non-finite gradient norm
@@ -113,8 +116,7 @@ class Trainer:
             params = None
             if norm is None:  # stage 0: the full (already averaged) gradients are here, the same on every rank
                 params = [p for g in inner.param_groups for p in g["params"] if p.grad is not None]
-                norm = self.grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params \
-                    else torch.zeros(())
+                norm = self.grad_norm = grad_norm(params, self._tp_split) if params else torch.zeros(())
             loss_sum, bad, norm_value = self._read_stats(norm)
             if bad:
                 self._nonfinite(f"loss is {self._mean(loss_sum)}")  # stop: raises
@@ -490,8 +492,10 @@ class Trainer:
         read amplification of the text sources (rows parsed by all readers / documents used)."""
         stats = self.loader.stats()
         names = self.source_names
-        parsed, used, *sequences = distributed.sum_over_ranks(
-            [stats["parsed_docs"], stats["docs"] + stats["empty_docs"], *stats["sequences"]])
+        mine = [stats["parsed_docs"], stats["docs"] + stats["empty_docs"], *stats["sequences"]]
+        if self.env.rank % self.env.group_size:  # the ranks of a sequence- or tensor-parallel group read one batch
+            mine = [0] * len(mine)
+        parsed, used, *sequences = distributed.sum_over_ranks(mine)
         out = {}
         if used:
             out["data/read_amplification"] = parsed / used

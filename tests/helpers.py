@@ -134,6 +134,15 @@ def losses(run_dir: Path) -> dict[int, float]:
     return out
 
 
+def tokens_drawn_are_tokens_seen(run_dir: Path) -> None:
+    """data/tokens/* of every training record add up to tokens_seen: each sequence counted once, not
+    once per rank of a sequence- or tensor-parallel group that reads it."""
+    records = [r for r in read_metrics(run_dir) if "tokens_seen" in r and "train/loss" in r]
+    assert records, f"{run_dir}/metrics.jsonl has no training record"
+    for r in records:
+        assert sum(v for k, v in r.items() if k.startswith("data/tokens/")) == r["tokens_seen"], r
+
+
 def read_wandb_records(run_dir: Path) -> list:
     """Every record of the offline W&B run in run_dir (of each process that logged to it, a resumed
     run's after the first's), as wandb's own protobuf `Record`s.

@@ -204,8 +204,24 @@ def test_other_rope_theta_is_refused_on_resume(tmp_path, saved_run):
     proc = run_train(BASE + ["model.rope_theta=20000", "checkpoint.resume=auto", f"train.run_dir={tmp_path}"],
                      check=False)
     assert proc.returncode == 2
-    assert "another model (RoPE, norm) (rope_theta: checkpoint 10000.0 vs config 20000.0)" in proc.stderr
+    assert "another model (RoPE, norm, document masking) (rope_theta: checkpoint 10000.0 vs config 20000.0)" \
+        in proc.stderr
     assert "fine-tune from it with checkpoint.init_from" in proc.stderr
+
+
+@pytest.mark.parametrize("change, named", [
+    (["model.document_mask=true"], "document_mask: checkpoint False vs config True"),
+    (["model.document_mask=true", "model.document_positions=true"], "document_positions: checkpoint False vs config True"),
+])
+def test_a_resume_that_switches_document_masking_is_refused(tmp_path, saved_run, change, named):
+    """Document masking changes which tokens attend to which, no weight: a resume that switches it
+    (or its positions) on is refused in one line, as a rope_theta change is (it resumed with rc 0)."""
+    shutil.copytree(saved_run / "checkpoints", tmp_path / "checkpoints")
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    proc = run_train(BASE + [*change, "checkpoint.resume=auto", f"train.run_dir={tmp_path}"], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "another model (RoPE, norm, document masking)" in proc.stderr and named in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
 
 
 def test_other_zero_stage_is_refused(tmp_path, saved_run):

@@ -112,6 +112,29 @@ def test_a_model_section_that_matches_is_accepted(tmp_path):
         hf_model_args(load_config(CONTINUE, base + ["model.multiple_of=64"]))
 
 
+def test_continuing_keeps_the_document_masking_the_run_config_sets(tmp_path):
+    """config.json holds no document masking: continuing an HF model with model.document_mask and
+    model.document_positions set trains with them (they were dropped: the run trained without the
+    mask while its config.yaml said true), with the tokenizer's end-of-text id; the run dir's
+    config.yaml and the checkpoint's say the same model; the first loss is not the unmasked one."""
+    import yaml
+
+    src = hf_llama_dir(tmp_path / "hf", shard=False)
+    base = SMALL + [f"checkpoint.init_from={src}", f"data.tokenizer={src}", "train.max_steps=1"]
+    masked, plain = tmp_path / "masked", tmp_path / "plain"
+    run_train(base + ["model.document_mask=true", "model.document_positions=true", f"train.run_dir={masked}"],
+              config=CONTINUE)
+    run_train(base + [f"train.run_dir={plain}"], config=CONTINUE)
+    ckpt = masked / "checkpoints" / "step_00000001"
+    function = json.loads((ckpt / "meta.json").read_text())["model_function"]
+    assert function["document_mask"] is True and function["document_positions"] is True and function["eot_id"] >= 0
+    model = yaml.safe_load((masked / "config.yaml").read_text())["model"]
+    assert model == yaml.safe_load((ckpt / "config.yaml").read_text())["model"]
+    assert model["document_mask"] is True and model["eot_id"] == function["eot_id"]
+    first = [next(r["train/loss"] for r in read_metrics(run) if "train/loss" in r) for run in (masked, plain)]
+    assert first[0] != pytest.approx(first[1], rel=1e-4)
+
+
 @pytest.mark.parametrize("change,named", [
     (dict(model_type="qwen2"), "qwen2"),
     (dict(model_type="mistral", sliding_window=32), "sliding"),

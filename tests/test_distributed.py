@@ -76,3 +76,49 @@ def test_local_rank_maps_onto_the_visible_gpus():
 
     with pytest.raises(ConfigError, match="LOCAL_RANK=5 but this process sees 4 GPUs"):
         distributed._device_index(5, 4)
+
+
+@pytest.mark.parametrize("launcher, environ, size", [
+    ("torchrun, accelerate launch", {"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"}, 4),
+    ("deepspeed launcher", {"LOCAL_SIZE": "4", "WORLD_SIZE": "8", "CROSS_SIZE": "2"}, 4),
+    ("mpirun (Open MPI)", {"OMPI_COMM_WORLD_LOCAL_SIZE": "4", "OMPI_COMM_WORLD_SIZE": "8"}, 4),
+    ("none (a plain python)", {}, None),
+])
+def test_each_launchers_node_size(launcher, environ, size):
+    """The ranks per node, read from the variable each launcher sets (a bare srun's are translated to
+    LOCAL_WORLD_SIZE: tests/test_traffic.py). The deepspeed launcher sets LOCAL_SIZE only: read as
+    "one node", hpZ was refused and every collective counted as in-node under it."""
+    assert distributed.node_size(environ) == size
+
+
+_NODE_SIZE = """
+from pretrain import distributed
+env = distributed.init("gloo")
+print(f"NODE rank={env.rank} world={env.world_size} local_size={env.local_size}", flush=True)
+distributed.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_the_deepspeed_launcher_on_two_nodes(tmp_path):
+    """DeepSpeed's per-node launcher (what `deepspeed --hostfile` starts on each node) run twice on
+    this machine as two nodes of one rank each: every rank's Dist knows its node holds one rank."""
+    import base64
+    import json
+    import subprocess
+    import sys
+
+    from helpers import free_port, train_env
+
+    script = tmp_path / "node_size.py"
+    script.write_text(_NODE_SIZE)
+    info = base64.urlsafe_b64encode(json.dumps({"node0": [0], "node1": [0]}).encode()).decode()
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "deepspeed.launcher.launch", f"--world_info={info}",
+                               f"--node_rank={n}", "--master_addr=127.0.0.1", f"--master_port={port}", str(script)],
+                              cwd=REPO, env=train_env({"PYTHONPATH": str(REPO)}), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for n in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    lines = sorted(line for out, _ in outs for line in out.splitlines() if line.startswith("NODE "))
+    assert lines == ["NODE rank=0 world=2 local_size=1", "NODE rank=1 world=2 local_size=1"]

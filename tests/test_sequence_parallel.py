@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import data_pipeline as dp
-from helpers import REPO, free_port, losses, read_metrics, run_train, saved_for_backward, train_env
+from helpers import (REPO, free_port, losses, read_metrics, run_train, saved_for_backward, tokens_drawn_are_tokens_seen,
+                     train_env)
 from pretrain.config import load_config
 from pretrain.model.args import ModelArgs
 from pretrain.model.model import Transformer
@@ -45,6 +46,22 @@ def test_an_impossible_layout_is_named_with_its_fix(change, named):
     base = ["distributed.sequence_parallel=2"]
     with pytest.raises(Exception, match=named):
         load_config(REPO / "configs" / "tiny.yaml", [*base, change], world_size=2)
+
+
+def test_every_problem_of_a_layout_is_reported_at_once():
+    """sequence_parallel=3 on 2 ranks: the heads, the sequence and the world size, together (the
+    world size was checked only when nothing else was wrong)."""
+    from pretrain.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "configs" / "tiny.yaml", ["distributed.sequence_parallel=3"], world_size=2)
+    text = str(e.value)
+    for named in ("does not divide model.n_heads=4", "does not divide data.seq_len=128",
+                  "does not divide the world size 2"):
+        assert named in text, text
+    with pytest.raises(ConfigError, match="train.global_batch_size=0|not divisible by micro_batch_size") as e:
+        load_config(REPO / "configs" / "tiny.yaml", ["model.n_heads=3", "train.global_batch_size=24"], world_size=5)
+    assert "model.dim=128 is not divisible by model.n_heads=3" in str(e.value)
 
 
 def test_a_size_that_does_not_divide_the_world_is_one_line_and_exit_2(tmp_path):
@@ -172,27 +189,31 @@ def test_document_masking_scores_like_each_document_alone_in_one_process():
     assert not torch.allclose(packed, unmasked(tokens), atol=1e-3)  # the mask does something
 
 
-@pytest.mark.parametrize("cpu_flex", [False, True])
-def test_the_flex_attention_mask_equals_the_dense_one(monkeypatch, cpu_flex):
-    """GPUs get FlexAttention's block mask, CPUs a dense boolean one: the same attention (FlexAttention
-    runs eagerly on CPU for this check)."""
+@pytest.mark.parametrize("positions", [False, True])
+def test_the_flex_attention_mask_equals_the_dense_one(monkeypatch, positions):
+    """GPUs get FlexAttention's block mask, CPUs a dense boolean one: the same attention. Here both run
+    on the CPU (FlexAttention eagerly, forward only: it has no backward on CPU), with GQA, documents
+    of several lengths and, with `positions`, RoPE positions restarting in each document."""
     import pretrain.model.model as m
 
-    if cpu_flex:
-        monkeypatch.setattr(m, "FLEX_DEVICES", {"cuda", "cpu"})
-    args = ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=256,
-                     document_mask=True, eot_id=0)
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=256,
+                     document_mask=True, document_positions=positions, eot_id=0)
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
     tokens = torch.randint(1, 64, (2, 256), generator=torch.Generator().manual_seed(1))
-    tokens[:, ::37] = 0
-    mask = m.document_mask(dp.document_ids(tokens, 0))
-    assert isinstance(mask, m.BlockMask) == cpu_flex
-    with torch.no_grad():  # (FlexAttention has no backward on CPU)
-        got = model(tokens)
-        monkeypatch.setattr(m, "FLEX_DEVICES", set())
-        torch.testing.assert_close(got, model(tokens), rtol=1e-5, atol=1e-5)
+    tokens[0, ::37] = 0
+    tokens[1, [5, 6, 100, 230]] = 0
+    out = {}
+    for flex in (True, False):
+        monkeypatch.setattr(m, "FLEX_DEVICES", {"cpu"} if flex else set())
+        assert isinstance(m.document_mask(dp.document_ids(tokens, 0)), m.BlockMask) == flex
+        with torch.no_grad():
+            out[flex] = model(tokens)
+    torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
+    args.document_mask = args.document_positions = False
+    with torch.no_grad():
+        assert not torch.allclose(out[True], model(tokens), atol=1e-3)  # (the mask changes the logits)
 
 
 def test_mlp_tiles_compute_the_same_and_keep_only_their_inputs(tmp_path):
@@ -239,24 +260,43 @@ SP_RUN = ["data.seq_len=1024", "model.max_seq_len=1024", "train.micro_batch_size
           "schedule.warmup_steps=1", "data.num_streams=4"]
 
 
+def _norms(run) -> dict[int, float]:
+    return {r["step"]: r["train/grad_norm"] for r in read_metrics(run) if "train/grad_norm" in r}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("precision, extra, rel", [
-    ("fp32", ["model.document_mask=true", "model.document_positions=true"], 1e-6),
-    ("bf16", ["train.mlp_chunk_tokens=256"], 5e-3),
-    ("fp32", ["optimizer.name=muon"], 1e-4),  # (Newton-Schulz magnifies the reductions' rounding)
+@pytest.mark.parametrize("precision, stage, extra, rel", [
+    ("fp32", 3, ["model.document_mask=true", "model.document_positions=true"], 1e-6),
+    ("bf16", 3, ["train.mlp_chunk_tokens=256"], 5e-3),
+    ("fp32", 3, ["optimizer.name=muon"], 1e-4),  # (Newton-Schulz magnifies the reductions' rounding)
+    ("fp32", 0, [], 1e-6),
+    ("fp32", 2, [], 1e-6),
 ])
-def test_sequence_parallel_training_equals_one_rank(tmp_path, precision, extra, rel):
+def test_sequence_parallel_training_equals_one_rank(tmp_path, precision, stage, extra, rel):
+    """SP=2 against one rank: the loss and the global gradient norm of every step (a gradient off by
+    a factor the loss and Adam's normalised update would hide shows in the norm), the weights after
+    the last step, the in-loop eval, and the tokens drawn (one count per sequence)."""
     runs = {}
     for nproc, sp in [(1, 1), (2, 2)]:
         run = tmp_path / f"sp{sp}"
         run_train([*SP_RUN, *extra, f"train.precision={precision}", f"train.run_dir={run}",
-                   f"distributed.sequence_parallel={sp}"], nproc=nproc)
+                   f"distributed.zero_stage={stage}", f"distributed.sequence_parallel={sp}"], nproc=nproc)
         runs[sp] = _losses_and_eval(run)
     (one, one_eval), (two, two_eval) = runs[1], runs[2]
     assert one.keys() == two.keys() == {1, 2, 3}
+    norms = _norms(tmp_path / "sp1"), _norms(tmp_path / "sp2")
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=rel), (step, one, two)
+        # (the first step's norm is of the same weights' gradients; later ones of weights that
+        # Adam's eps-scale updates moved apart by a few 1e-6)
+        assert norms[1][step] == pytest.approx(norms[0][step], rel=rel if step == 1 else max(rel, 1e-4)), (step, norms)
     assert two_eval == pytest.approx(one_eval, rel=rel)
+    from pretrain.checkpoint import consolidated_state_dict
+
+    a, b = (consolidated_state_dict(tmp_path / run / "checkpoints" / "step_00000003") for run in ("sp1", "sp2"))
+    for name in a:  # (relative Frobenius norm: Adam magnifies gradients near its eps; bf16 its rounding)
+        assert ((b[name] - a[name]).norm() / a[name].norm()).item() < (2e-2 if precision == "bf16" else 1e-4), name
+    tokens_drawn_are_tokens_seen(tmp_path / "sp2")
 
 
 @pytest.mark.slow
@@ -285,6 +325,9 @@ def test_a_run_resumes_across_sequence_and_data_parallel_sizes(tmp_path):
         run = tmp_path / f"from{first[0]}x{first[1]}to{then[0]}x{then[1]}"
         run_train([*common, "train.max_steps=2", f"train.run_dir={run}", f"distributed.sequence_parallel={first[1]}"],
                   nproc=first[0])
+        meta = json.loads((run / "checkpoints" / "step_00000002" / "meta.json").read_text())
+        assert (meta["sequence_parallel"], meta["data_parallel"], meta["tensor_parallel"]) == \
+            (first[1], first[0] // first[1], 1)
         run_train([*common, "checkpoint.resume=auto", f"train.run_dir={run}",
                    f"distributed.sequence_parallel={then[1]}"], nproc=then[0], timeout=600)
         got = losses(run)

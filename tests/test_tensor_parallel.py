@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, free_port, losses, read_metrics, run_train, train_env
+from helpers import REPO, free_port, losses, read_metrics, run_train, tokens_drawn_are_tokens_seen, train_env
 
 from pretrain.config import load_config
 from pretrain.parallelize import TP_SPLITS, deepspeed_config, tensor_parallel_dim
@@ -193,7 +193,7 @@ def test_tp2_by_dp2_on_four_ranks_trains_resumes_and_evaluates_as_tp1(tmp_path):
     for key in ("eval/loss", "eval/mine/loss", "eval/mine/acc"):
         assert b[key] == pytest.approx(a[key], rel=1e-6), (key, a, b)
     meta = json.loads((four / "checkpoints" / "step_00000004" / "meta.json").read_text())
-    assert meta["tensor_parallel"] == 2 and meta["world_size"] == 4
+    assert (meta["tensor_parallel"], meta["data_parallel"], meta["sequence_parallel"], meta["world_size"]) == (2, 2, 1, 4)
 
     # Another layout: one line, exit 2, the checkpoints untouched.
     before = sorted(p.name for p in (four / "checkpoints").iterdir())
@@ -225,16 +225,59 @@ def test_tp2_by_dp2_on_four_ranks_trains_resumes_and_evaluates_as_tp1(tmp_path):
     assert scores[1]["loss"] == pytest.approx(scores[0]["loss"], rel=1e-5)
 
 
+def _norms(run) -> dict[int, float]:
+    return {r["step"]: r["train/grad_norm"] for r in read_metrics(run) if "train/grad_norm" in r}
+
+
+def _weights(run, step: int) -> dict:
+    from pretrain.checkpoint import consolidated_state_dict
+
+    return consolidated_state_dict(run / "checkpoints" / f"step_{step:08d}")
+
+
+def _close(a: dict, b: dict, rel: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert b[name].shape == a[name].shape, name
+        assert ((b[name] - a[name]).norm() / a[name].norm()).item() < rel, name
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stage, precision, rel", [(1, "fp32", 1e-6), (2, "fp32", 1e-6), (3, "bf16", 5e-3)])
+@pytest.mark.parametrize("stage, precision, rel", [(0, "fp32", 1e-6), (1, "fp32", 1e-6), (2, "fp32", 1e-6),
+                                                   (3, "bf16", 5e-3)])
 def test_tensor_parallel_at_each_zero_stage_equals_tp1(tmp_path, stage, precision, rel):
-    """TP=2 on 2 ranks (ZeRO 1, 2 in fp32; ZeRO-3 in bf16 and compiled) against one TP=1 rank."""
+    """TP=2 on 2 ranks (ZeRO 0, 1, 2 in fp32; ZeRO-3 in bf16 and compiled) against one TP=1 rank,
+    with a clip that bites (grad_clip 0.05, norms ~0.3-0.8): the global gradient norm and the loss
+    of every step; the checkpoint consolidated (each tensor-parallel rank's files, whatever the
+    stage writes: stage 0's whole mp_rank_TT_model_states.pt, ZeRO's shards) to the TP=1 run's
+    weights, so that eval and export read the model trained. Then `checkpoint.init_from` of the TP=1
+    checkpoint into TP=2: a step at lr 0 leaves every rank's slices as loaded, and the consolidated
+    weights are the source's (every tensor-parallel rank loaded its slices, not only rank 0)."""
     common = [*TP_RUN, f"train.precision={precision}", "train.max_steps=3", "train.eval_every=0",
-              "checkpoint.every=0", f"distributed.zero_stage={stage}"]
-    run_train([*common, f"train.run_dir={tmp_path / 'one'}"])
-    run_train([*common, f"train.run_dir={tmp_path / 'two'}", "distributed.tensor_parallel=2",
+              "checkpoint.every=0", f"distributed.zero_stage={stage}", "optimizer.grad_clip=0.05"]
+    one, two, ft = tmp_path / "one", tmp_path / "two", tmp_path / "ft"
+    run_train([*common, f"train.run_dir={one}"])
+    run_train([*common, f"train.run_dir={two}", "distributed.tensor_parallel=2",
                *(["train.compile=true"] if stage == 3 else [])], nproc=2, timeout=600)
-    want, got = losses(tmp_path / "one"), losses(tmp_path / "two")
+    want, got = losses(one), losses(two)
     assert want.keys() == got.keys() == {1, 2, 3}
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=rel), (step, want, got)
+        assert _norms(two)[step] == pytest.approx(_norms(one)[step], rel=rel), (step, _norms(one), _norms(two))
+    tokens_drawn_are_tokens_seen(two)
+    source = _weights(one, 3)
+    _close(source, _weights(two, 3), 1e-5 if precision == "fp32" else 2e-2)
+    if stage in (0, 1):  # the stages whose TP checkpoints eval could not read
+        scores = []
+        for run in (one, two):
+            out = tmp_path / f"{run.name}.json"
+            cmd = [sys.executable, "-m", "pretrain", "eval", str(run / "checkpoints" / "step_00000003"), "--batches",
+                   "1", "--json", str(out)]
+            proc = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            scores.append(json.loads(out.read_text()))
+        assert scores[1]["loss"] == pytest.approx(scores[0]["loss"], rel=1e-5)
+    run_train([*common, f"train.run_dir={ft}", "distributed.tensor_parallel=2", "train.max_steps=1",
+               "optimizer.lr=0", "schedule.min_lr=0", f"checkpoint.init_from={one / 'checkpoints' / 'step_00000003'}"],
+              nproc=2, timeout=600)
+    _close(source, _weights(ft, 1), 1e-7 if precision == "fp32" else 4e-3)

@@ -166,6 +166,8 @@ def test_wandb_offline_run_logs_scaling_law_fields(tmp_path):
     assert scaling["n_params"] > scaling["n_params_non_embedding"] > 0
     assert scaling["flops_per_token"] > 6 * scaling["n_params_matmul"] >= 6 * scaling["n_params_non_embedding"]
     assert scaling["sweep"] == "s1"  # the config's own scaling section is kept
+    # the parallel layout (a single process here)
+    assert (scaling["data_parallel"], scaling["tensor_parallel"], scaling["sequence_parallel"]) == (1, 1, 1)
     provenance = values["provenance"].get("value", values["provenance"])  # which code trained it
     assert provenance["pretrain_version"] and "git_commit" in provenance
     metrics = {(r.metric.name or r.metric.glob_name): r.metric.step_metric

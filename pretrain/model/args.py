@@ -192,6 +192,12 @@ ROPE_FIELDS = ("max_seq_len", "rope_theta", "rope_scaling_factor", "rope_low_fre
                "rope_original_max_seq_len")
 
 
+# The fields that set which tokens attend to which across packed documents, no weight: a Hugging Face
+# model's config.json does not hold them, so continuing one keeps the run config's (the id is the
+# tokenizer's, data.eot_token, unless set).
+MASK_FIELDS = ("document_mask", "document_positions", "eot_id")
+
+
 def _divisor_hint(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
