@@ -5,7 +5,9 @@ step, step and total time at an assumed MFU, and for planning past one machine t
 communication per step and its time at an interconnect bandwidth, over a range of GPU counts,
 over the sequence-parallel sizes the model allows (which one a sequence length needs to fit), and
 over the layouts of the run's GPUs: ZeRO alone, ZeRO-3 with hpZ, tensor parallelism within a node
-with ZeRO across; the fastest that fits is recommended (parallel_options).
+with ZeRO across, at the configured sequence_parallel, each checked against the config's own
+validation (Config.problems); the fastest that fits is recommended (parallel_options). A run whose
+global batch does not split over its GPUs as configured gets the layouts that do, not a refusal.
 
 The memory model (bytes, per GPU, n GPUs), what DeepSpeed 0.19 allocates for each setup (measured
 on CPU by counting the tensors alive; docs/performance.md compares it with DeepSpeed's estimators):
@@ -46,7 +48,8 @@ on CPU by counting the tensors alive; docs/performance.md compares it with DeepS
   input, (8 + 4p) D, whole on every rank; (2p D + 2p KVd + 4 H + 4p F) / t; the head's whole.
 - hpZ (distributed.hpz, ZeRO-3): a secondary copy of the 16-bit weights partitioned over the
   node's GPUs, p x parameters / gpus_per_node.
-  These two, and their communication below, are modelled, not yet checked against a run.
+  The memory of these two is modelled, not yet checked against a run; their communication below
+  is counted on CPU ranks.
 A row over the GPU's memory (Assumptions.gpu_memory_gib: 80 GiB) is marked as not fitting.
 
 Communication per GPU per step (ring collectives move (n-1)/n of the data through each GPU; an
@@ -78,11 +81,14 @@ micro-batches (its group shares each), so at a fixed micro-batch size the block 
 per GPU per step is what ZeRO over n moves, and the embedding's and head's is t times it: TP's
 gain under ZeRO-3 is activation memory (a larger micro-batch), not traffic.
 
-Tensor parallelism's own all-reduces, per GPU per block per micro-batch: 2 in forward (after wo
-and w2), 2 in backward, 2 in a checkpointed block's recomputation, each 2 (t-1)/t of the
-micro-batch's b T D activations in p bytes, at the in-node bandwidth, between a block's matmuls:
-added to the step. The head, whole on every rank of a group, is computed t times: each GPU's
-compute is (FLOPs + (t-1) 6 V D per token) x tokens / n.
+Tensor parallelism's own all-reduces, per GPU per block per micro-batch, as DeepSpeed's AutoTP runs
+them (counted on 2 CPU ranks with pretrain/traffic.py, tests/test_traffic.py): 2 in forward (the
+outputs of the row-split wo and w2), 5 in backward (each column-split layer, wq, wk, wv, w1 and w3,
+all-reduces its own input gradient; Megatron's fused layers need 2) and 1 in a checkpointed block's
+recomputation (wo's: torch's checkpoint stops recomputing before w2, whose input is the last
+tensor backward needs), each 2 (t-1)/t of the micro-batch's b T D activations in p bytes, at the
+in-node bandwidth, between a block's matmuls: added to the step. The head, whole on every rank of
+a group, is computed t times: each GPU's compute is (FLOPs + (t-1) 6 V D per token) x tokens / n.
 
 Muon (optimizer.name=muon) at ZeRO-3, checked on 1 and 2 CPU ranks (allocations,
 the step's transient and the bytes of every collective, tests/test_estimate.py): its matrices hold
@@ -92,7 +98,8 @@ that fit a reduce bucket, larger ones are still reduce-scattered; once per step,
 and not overlapped, our ZeRO-3 step (pretrain/muon.py) sends each matrix's gradient and momentum
 slices to its owner rank by an all-to-all, the owner orthogonalises it (Newton-Schulz, 5 steps;
 FLOPs counted from DeepSpeed's iteration, at the assumed MFU; owners balance them) and a second
-all-to-all returns the update and momentum slices: about 4 M c (n-1)/n^2 bytes per GPU (muon_step).
+all-to-all returns the update and momentum slices: about 4 M c (n-1)/n^2 bytes per GPU (muon_step),
+at the in-node bandwidth where the ranks fit in one node, else at the network's.
 At ZeRO 0-2 each rank is counted as orthogonalising every matrix (DeepSpeed's stage-1/2 path does
 those of its own partition, so an upper bound) with no step traffic; not checked there.
 
@@ -105,6 +112,7 @@ added to the step's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -229,11 +237,18 @@ def tensor_parallel_params(args: ModelArgs, n_params: int, tp: int) -> int:
     return n_params - split + split // tp
 
 
+# AutoTP's all-reduces per block per micro-batch: forward (wo, w2), backward (the input gradients of
+# wq, wk, wv, w1, w3, one each) and a checkpointed block's recomputation (wo; not w2, tensor_parallel_bytes).
+TP_ALLREDUCES = {"forward": 2, "backward": 5, "recomputation": 1}
+
+
 def tensor_parallel_bytes(args: ModelArgs, tokens: int, p: int, tp: int) -> float:
-    """Bytes through each GPU for one all-reduce of a block's output activations (`tokens` x D in
-    p bytes) over a tensor-parallel group of `tp` ranks, ring: 2 (tp-1)/tp of them. A block runs
-    two in forward (after wo and w2), two in backward (the gradients of the inputs of wq/wk/wv and
-    of w1/w3), two more in a checkpointed block's recomputation."""
+    """Bytes through each GPU for one all-reduce of `tokens` x D activations or their gradients in
+    p bytes over a tensor-parallel group of `tp` ranks, ring: 2 (tp-1)/tp of them. A block runs
+    TP_ALLREDUCES of them, as counted (pretrain/traffic.py): 2 in forward (wo's and w2's outputs,
+    row-split), 5 in backward (AutoTP's column-split wq, wk, wv, w1 and w3 each all-reduce their
+    input's gradient) and 1 in a checkpointed block's recomputation (wo's; torch's checkpoint stops
+    once it has recomputed the last tensor backward needs, w2's input, so w2 does not run again)."""
     return 2 * (tp - 1) / tp * tokens * args.dim * p if tp > 1 else 0.0
 
 
@@ -491,8 +506,11 @@ def _sp_sizes(args: ModelArgs, seq_len: int) -> list[int]:
 
 
 def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
-    """Every figure of the report, for `a.gpus` GPUs, a scaling table over GPU counts and one over
-    sequence-parallel sizes."""
+    """Every figure of the report, for `a.gpus` GPUs, a scaling table over GPU counts, one over
+    sequence-parallel sizes and one over the parallel layouts. A config its own validation refuses
+    raises ConfigError, as does one that does not run on `a.gpus` in any layout; one that runs there
+    only in another layout (a global batch that does not split over the GPUs as configured) gets
+    the tables, with "refused" (why not as configured) instead of the run's own figures."""
     if a.gpus < 1 or not 0 < a.mfu <= 1 or a.peak_tflops <= 0 or a.gbps <= 0:
         raise ConfigError("--gpus must be >= 1, --mfu in (0, 1], --peak-tflops and --gbps > 0")
     if a.sp_gbps <= 0:
@@ -501,9 +519,8 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         raise ConfigError(f"--gpus-per-node={a.gpus_per_node} must be >= 1")
     if a.gpu_memory_gib <= 0:
         raise ConfigError(f"--gpu-memory={a.gpu_memory_gib:g} must be > 0 (GiB per GPU)")
-    cfg.validate(a.gpus)
-    if cfg.optimizer.name == "muon" and cfg.distributed.tensor_parallel > 1:
-        raise ConfigError("pretrain estimate does not model Muon's step under distributed.tensor_parallel")
+    if cfg.problems():
+        raise ConfigError(cfg.problems())
     p = {"bf16": 2, "fp16": 2, "fp32": 4}[a.precision]
     g = 4 if a.precision == "fp32" or (a.precision == "bf16" and cfg.distributed.grad_dtype == "fp32") else 2
     n_total, n_non_emb = num_params(args), num_params(args, non_embedding=True)
@@ -556,8 +573,10 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         comm = intra + inter
         # The two links are counted one after the other: no credit for running them side by side.
         comm_s = inter / (a.gbps * 1e9 / 8) + intra / (a.sp_gbps * 1e9 / 8)
-        # Muon's step runs after backward, its all-gathers and Newton-Schulz one after the other.
-        opt_s = opt["flops"] / flops_s + opt["comm"] / (a.gbps * 1e9 / 8) if muon else 0.0
+        # Muon's step runs after backward, its all-to-alls and Newton-Schulz one after the other; the
+        # all-to-alls over the ZeRO ranks, within the node where they fit in one.
+        muon_gbps = a.sp_gbps if world <= a.gpus_per_node else a.gbps
+        opt_s = opt["flops"] / flops_s + opt["comm"] / (muon_gbps * 1e9 / 8) if muon else 0.0
         # Ulysses: forward and backward exchange every layer, a checkpointed block's recomputation
         # again; the all-to-alls sit between the layer's compute, not beside it: added to the step.
         recomputed = _checkpointed(args, t.activation_checkpointing)
@@ -565,16 +584,18 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         a2a = k * (2 * args.n_layers + recomputed) * exchange
         a2a_s = a2a / (a.sp_gbps * 1e9 / 8)
         # Tensor parallelism: the same, its all-reduces wait for the matmul before them and the next
-        # one waits for them; 4 per block and 2 per recomputed block (tensor_parallel_bytes).
+        # one waits for them; 7 per block and 1 per recomputed block (TP_ALLREDUCES).
         allreduce = tensor_parallel_bytes(args, micro_tokens, p, tp)
-        tp_bytes = k * (4 * args.n_layers + 2 * recomputed) * allreduce
+        per_block = TP_ALLREDUCES["forward"] + TP_ALLREDUCES["backward"]
+        tp_bytes = k * (per_block * args.n_layers + TP_ALLREDUCES["recomputation"] * recomputed) * allreduce
         tp_s = tp_bytes / (a.sp_gbps * 1e9 / 8)
         step_s = max(compute_s, comm_s) + a2a_s + tp_s + opt_s
         # The optimizer step's transient comes after backward has freed the activations: the larger counts.
         total_gib = (sum(memory.values()) - min(memory["activations"], memory.get("optimizer_step", 0))) / GIB
         extra = {"muon": {"params": opt["params"], "ns_flops_per_gpu": opt["flops"],
                           "ns_flops_total": opt["flops_total"], "ns_s": opt["flops"] / flops_s,
-                          "step_comm_gib_per_gpu": opt["comm"] / GIB, "step_comm_s": opt["comm"] / (a.gbps * 1e9 / 8),
+                          "step_comm_gib_per_gpu": opt["comm"] / GIB,
+                          "step_comm_s": opt["comm"] / (muon_gbps * 1e9 / 8), "step_comm_gbps": muon_gbps,
                           "allreduced_params": allreduced}} if muon else {}
         return {"gpus": world, "sequence_parallel": sp, "tensor_parallel": tp, "hpz": hpz, "data_parallel": dp,
                 "grad_accum": k, "memory_gib_per_gpu": total_gib,
@@ -588,7 +609,8 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
                 "tokens_per_s": tokens_per_step / step_s, "efficiency": compute_s / step_s,
                 "comm_bound": comm_s > compute_s, **extra}
 
-    here = at(a.gpus)
+    refused = cfg.problems(a.gpus)  # the batch arithmetic on these GPUs, as configured
+    here = {} if refused else at(a.gpus)
     scaling = []
     world = 1
     while world <= max(a.gpus * 8, 8):
@@ -597,39 +619,50 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         except ConfigError:  # the global batch does not split over this many GPUs
             pass
         world *= 2
-    # Each size on the run's GPUs, or on the fewest multiple of it above them; where the global
-    # batch does not split over those, on the most GPUs below over which it does.
+    # Each size the config allows (with its other settings) on the run's GPUs, or on the fewest
+    # multiple of it above them; where the config refuses those, on the most GPUs below it accepts.
     by_sp = []
     for n in _sp_sizes(args, cfg.data.seq_len):
-        for world in range(math.lcm(a.gpus, n), 0, -n):
-            try:
-                by_sp.append(at(world, n, d.tensor_parallel if n == 1 else 1))
-                break
-            except ConfigError:
-                pass
+        layout = _with_layout(cfg, sequence_parallel=n)
+        if layout.problems():  # e.g. with tensor parallelism
+            continue
+        world = next((w for w in range(math.lcm(a.gpus, n), 0, -n) if not layout.problems(w)), None)
+        if world:
+            by_sp.append(at(world, n))
     needed = next((r["sequence_parallel"] for r in by_sp if r["fits"]), None)
-    options = parallel_options(at, args, a, d, muon)
+    options, not_listed = parallel_options(at, cfg, args, a)
+    if refused and all("error" in r for r in options):
+        raise ConfigError(refused)  # no layout runs on these GPUs
     fitting = [r for r in options if r.get("fits")]
     # The fastest that fits; of equal step times the first listed, the one with less machinery.
     recommended = min(fitting, key=lambda r: r["step_s"]) if fitting else None
-    total_s = here["step_s"] * t.max_steps
-    return {
+    out = {
         "params": n_total, "params_non_embedding": n_non_emb, "flops_per_token": fpt,
         "tokens_per_step": tokens_per_step, "steps": t.max_steps, "tokens_total": tokens_per_step * t.max_steps,
         "flops_total": fpt * tokens_per_step * t.max_steps, "zero_stage": stage, "seq_len": cfg.data.seq_len,
-        "assumptions": vars(a), **here, "total_s": total_s, "total_h": total_s / 3600,
-        "host_checkpoint_copy_gib": ((tensor_parallel_params(args, n_total, d.tensor_parallel) * (4 + 8)
-                                      - (8 - g) * here.get("muon", {}).get("params", 0))
-                                     / (a.gpus // d.tensor_parallel if stage >= 1 else 1)) / GIB,
-        "optimizer": cfg.optimizer.name,
-        "scaling": scaling, "fit_hint": fit_hint(cfg), "comm_hint": comm_hint(cfg, args, a.gpus, here["grad_accum"], p,
-                                                                  a.gpu_memory_gib - here["memory_gib_per_gpu"]),
+        "assumptions": vars(a), "sequence_parallel": d.sequence_parallel, "tensor_parallel": d.tensor_parallel,
+        "hpz": d.hpz and stage == 3, "optimizer": cfg.optimizer.name, "scaling": scaling, "fit_hint": fit_hint(cfg),
         "kv_replication": kv_replication(args.kv_heads, d.sequence_parallel),
         "activation_checkpointing": t.activation_checkpointing > 0,
         "sequence_parallel_table": by_sp, "sequence_parallel_needed": needed,
         "sequence_parallel_max": args.n_heads,
-        "parallel_options": options, "recommended": recommended and recommended["option"],
+        "parallel_options": options, "not_listed": not_listed, "recommended": recommended and recommended["option"],
     }
+    if refused:
+        return {**out, "refused": refused}
+    total_s = here["step_s"] * t.max_steps
+    return {
+        **out, **here, "total_s": total_s, "total_h": total_s / 3600,
+        "host_checkpoint_copy_gib": ((tensor_parallel_params(args, n_total, d.tensor_parallel) * (4 + 8)
+                                      - (8 - g) * here.get("muon", {}).get("params", 0))
+                                     / (a.gpus // d.tensor_parallel if stage >= 1 else 1)) / GIB,
+        "comm_hint": comm_hint(cfg, args, a.gpus, here["grad_accum"], p, a.gpu_memory_gib - here["memory_gib_per_gpu"]),
+    }
+
+
+def _with_layout(cfg: Config, **layout) -> Config:
+    """The config with these distributed.* fields changed (sequence_parallel, tensor_parallel, hpz)."""
+    return dataclasses.replace(cfg, distributed=dataclasses.replace(cfg.distributed, **layout))
 
 
 def _tp_sizes(args: ModelArgs, node: int) -> list[int]:
@@ -637,31 +670,37 @@ def _tp_sizes(args: ModelArgs, node: int) -> list[int]:
     return [n for n in range(2, node + 1) if not (args.n_heads % n or args.kv_heads % n or args.hidden_dim % n)]
 
 
-def parallel_options(at, args: ModelArgs, a: Assumptions, d, muon: bool) -> list[dict]:
-    """The layouts of the run's GPUs with sequence_parallel=1: ZeRO alone, ZeRO-3 with hpZ (over
-    more than one node), and tensor parallelism within a node with ZeRO across, each at the config's
-    ZeRO stage, micro-batch size and global batch, with the overrides of the config `d`
-    (distributed) that select it; `at` evaluates one (estimate's). A layout the global batch does
-    not split over is listed with the reason. Not listed: hpZ with tensor parallelism, which the
-    config refuses (distributed.hpz), and tensor parallelism under Muon, whose step is not modelled
-    with it."""
-    stage = d.zero_stage
-    layouts = [(f"ZeRO-{stage}", 1, False)]
-    if stage == 3 and a.gpus > a.gpus_per_node:
-        layouts.append(("ZeRO-3 + hpZ", 1, True))
-    if not muon:
-        layouts += [(f"TP {n} + ZeRO-{stage}", n, False) for n in _tp_sizes(args, a.gpus_per_node) if a.gpus % n == 0]
-    rows = []
+def parallel_options(at, cfg: Config, args: ModelArgs, a: Assumptions) -> tuple[list[dict], dict]:
+    """The layouts of the run's GPUs at the config's sequence_parallel: ZeRO alone, ZeRO-3 with hpZ
+    (over more than one node), tensor parallelism within a node with ZeRO across (and with hpZ),
+    each at the config's ZeRO stage, micro-batch size and global batch, with the overrides of
+    distributed.* that select it; `at` evaluates one (estimate's). Each is this config with those
+    overrides, checked by the config's own validation (Config.problems): one it refuses on any
+    number of GPUs (tensor parallelism with sequence parallelism, hpZ with tensor parallelism,
+    Muon with tensor parallelism) is not listed, and returned in {layout: the reason}; one it
+    refuses on the run's GPUs (a global batch that does not split over them) is listed with the
+    reason and no figures."""
+    d = cfg.distributed
+    stage, hpz_too = d.zero_stage, d.zero_stage == 3 and a.gpus > a.gpus_per_node
+    layouts = [(f"ZeRO-{stage}", 1, False)] + [("ZeRO-3 + hpZ", 1, True)] * hpz_too
+    for n in _tp_sizes(args, a.gpus_per_node):
+        if a.gpus % n == 0:
+            layouts += [(f"TP {n} + ZeRO-{stage}", n, False)] + [(f"TP {n} + ZeRO-3 + hpZ", n, True)] * hpz_too
+    rows, not_listed = [], {}
     for name, tp, hpz in layouts:
-        layout = {"sequence_parallel": 1, "tensor_parallel": tp, "hpz": hpz}
-        overrides = {f"distributed.{k}": v for k, v in layout.items() if getattr(d, k) != v}
+        layout = _with_layout(cfg, tensor_parallel=tp, hpz=hpz)
+        if layout.problems():
+            not_listed[name] = layout.problems()[0]
+            continue
+        overrides = {f"distributed.{k}": v for k, v in (("tensor_parallel", tp), ("hpz", hpz)) if getattr(d, k) != v}
         row = {"option": name, "overrides": overrides}
-        try:
-            row.update(at(a.gpus, 1, tp, hpz))
-        except ConfigError as e:
-            row["error"] = str(e)
+        problems = layout.problems(a.gpus)
+        if problems:
+            row["error"] = problems[0]
+        else:
+            row.update(at(a.gpus, d.sequence_parallel, tp, hpz))
         rows.append(row)
-    return rows
+    return rows, not_listed
 
 
 def fit_hint(cfg: Config) -> str:
@@ -709,7 +748,7 @@ def _muon_line(e: dict) -> str:
             f"{m['ns_flops_per_gpu'] / 1e12:.3g} TFLOPs on the busiest GPU "
             f"({m['ns_flops_total'] / 1e12:.3g} over all), {m['ns_s']:.3g} s; {m['step_comm_gib_per_gpu']:.3g} GiB "
             "of gradient, momentum and update slices sent per GPU (all-to-all), "
-            f"{m['step_comm_s']:.3g} s at {a['gbps']:g} Gbit/s; {e['optimizer_step_s']:.3g} s = "
+            f"{m['step_comm_s']:.3g} s at {m['step_comm_gbps']:g} Gbit/s; {e['optimizer_step_s']:.3g} s = "
             f"{e['optimizer_step_s'] / e['step_s']:.0%} of the step. {m['params'] / 1e6:,.1f}M parameters on Muon"
             + (f"; reduce_scatter: false all-reduces the gradients of the {m['allreduced_params'] / 1e6:,.1f}M "
                "parameters that fit a reduce bucket" if e["zero_stage"] == 3 else ""))
@@ -717,17 +756,22 @@ def _muon_line(e: dict) -> str:
 
 def report(e: dict) -> str:
     a = e["assumptions"]
-    muon = "muon" in e
+    muon = e["optimizer"] == "muon"
     sp = e["sequence_parallel"]
     split = f", each sequence split over {sp} GPUs" if sp > 1 else ""
     if e["tensor_parallel"] > 1:
         split = f", each block's matrices split over {e['tensor_parallel']} GPUs"
     hpz = " with hpZ" if e["hpz"] else ""
+    run = f"run: {a['gpus']} GPU(s), ZeRO-{e['zero_stage']}{hpz}, {a['precision']}, {e['optimizer']}, "
+    model = (f"model: {e['params'] / 1e6:,.1f}M parameters ({e['params_non_embedding'] / 1e6:,.1f}M non-embedding), "
+             f"{e['flops_per_token'] / 1e9:.3f} GFLOPs per token (forward + backward, PaLM)")
+    if "refused" in e:  # not on these GPUs as configured: the layouts at the end say what does
+        lines = [model, run + f"{e['tokens_per_step']:,} tokens per step{split}: not as configured: "
+                 + "; ".join(e["refused"]) + " (the parallel layouts at the end run on these GPUs)", _sp_line(e)]
+        return "\n".join(lines + _tables(e))
     lines = [
-        f"model: {e['params'] / 1e6:,.1f}M parameters ({e['params_non_embedding'] / 1e6:,.1f}M non-embedding), "
-        f"{e['flops_per_token'] / 1e9:.3f} GFLOPs per token (forward + backward, PaLM)",
-        f"run: {a['gpus']} GPU(s), ZeRO-{e['zero_stage']}{hpz}, {a['precision']}, {e['optimizer']}, "
-        f"{e['tokens_per_step']:,} tokens per step "
+        model,
+        run + f"{e['tokens_per_step']:,} tokens per step "
         f"({e['grad_accum']} micro-batch(es) per GPU{split}), {e['tokens_total'] / 1e9:,.2f}B tokens, "
         f"{e['flops_total']:.3g} FLOPs in all",
         f"memory per GPU: {e['memory_gib_per_gpu']:.2f} GiB = "
@@ -743,6 +787,14 @@ def report(e: dict) -> str:
         *([_a2a_line(e)] if sp > 1 else []),
         *([_tp_line(e)] if e["tensor_parallel"] > 1 else []),
         *([_muon_line(e)] if muon else []),
+    ]
+    return "\n".join(lines + _tables(e))
+
+
+def _tables(e: dict) -> list[str]:
+    """The scaling table over GPU counts, the one over sequence-parallel sizes and the layouts'."""
+    a, muon = e["assumptions"], e["optimizer"] == "muon"
+    lines = [
         "",
         "The same global batch on other GPU counts (efficiency = compute time / step time: below 1 the",
         "GPUs wait for ZeRO's collectives" + (" or Muon's step" if muon else "") + "; more GPUs then buy less than "
@@ -769,7 +821,7 @@ def report(e: dict) -> str:
         lines.append(f"| {r['sequence_parallel']} | {r['gpus']} | {r['memory_parts_gib']['activations']:.2f} | "
                      f"{_memory_cell(r, a)} | {r['all_to_all_mib_per_layer']:.3g} | {r['all_to_all_s']:.3g} | "
                      f"{r['step_s']:.3g} |")
-    return "\n".join(lines + _options_lines(e))
+    return lines + _options_lines(e)
 
 
 def _comm_line(e: dict) -> str:
@@ -785,19 +837,21 @@ def _comm_line(e: dict) -> str:
 
 def _tp_line(e: dict) -> str:
     a = e["assumptions"]
-    recompute = ", 2 more in the recomputation" if e["activation_checkpointing"] else ""
+    recompute = f", {TP_ALLREDUCES['recomputation']} more in the recomputation" if e["activation_checkpointing"] else ""
     return (f"tensor parallelism over {e['tensor_parallel']} GPUs: {e['tp_allreduce_mib']:.3g} MiB per GPU per "
-            f"all-reduce, 2 per block per micro-batch in forward, 2 in backward{recompute}; "
+            f"all-reduce, {TP_ALLREDUCES['forward']} per block per micro-batch in forward, "
+            f"{TP_ALLREDUCES['backward']} in backward{recompute}; "
             f"{e['tp_allreduce_gib_per_gpu']:.3g} GiB per GPU per step, {e['tp_allreduce_s']:.3g} s at "
             f"{a['sp_gbps']:g} Gbit/s (not overlapped: in the step time)")
 
 
 def _options_lines(e: dict) -> list[str]:
-    a = e["assumptions"]
+    a, sp = e["assumptions"], e["sequence_parallel"]
     lines = [
         "",
-        f"Parallel layouts on {a['gpus']} GPUs ({a['gpus_per_node']} per node), the same global batch and "
-        "micro-batch size, overrides from this config",
+        f"Parallel layouts on {a['gpus']} GPUs ({a['gpus_per_node']} per node), the same global batch"
+        + (f", micro-batch size and sequence_parallel={sp}" if sp > 1 else " and micro-batch size")
+        + ", overrides from this config",
         f"(-: its own layout); TP's all-reduces and hpZ's gathers within a node at {a['sp_gbps']:g} Gbit/s, "
         f"the rest across nodes at {a['gbps']:g} Gbit/s:",
         "",
@@ -824,9 +878,11 @@ def _options_lines(e: dict) -> list[str]:
         if rec["comm_bound"]:  # every layout's ZeRO traffic per token falls with the micro-batch size
             lines.append("it still waits for ZeRO's collectives: a larger train.micro_batch_size (fewer gathers per "
                          "token) would shorten the step where memory allows")
-    if e["zero_stage"] == 3 and any(r["tensor_parallel"] > 1 for r in e["parallel_options"] if "error" not in r):
-        lines.append("(hpZ with tensor parallelism: not supported; the config refuses distributed.hpz with "
-                     "distributed.tensor_parallel)")
+    reasons: dict[str, list[str]] = {}
+    for name, reason in e["not_listed"].items():
+        reasons.setdefault(reason, []).append(name)
+    for reason, names in reasons.items():
+        lines.append(f"(not listed, the config refuses them: {', '.join(names)}: {reason})")
     return lines
 
 

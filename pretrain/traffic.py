@@ -20,6 +20,7 @@ the whole of its data; point-to-point the tensor. Groups of one rank move nothin
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -43,7 +44,7 @@ def _alltoall_sent(args, n: int, rank: int) -> float:
     output, inp, group, out_splits, in_splits = args[:5]
     if not in_splits:
         return (n - 1) / n * _size(inp)
-    per_row = inp[0].numel() * inp.element_size() if inp.dim() else inp.element_size()
+    per_row = math.prod(inp.shape[1:]) * inp.element_size()  # (a rank may send no rows: an empty input)
     return (sum(in_splits) - in_splits[rank]) * per_row
 
 

@@ -162,7 +162,7 @@ def test_sequence_parallel_activations_per_rank(ac, kv):
         predicted = activation_bytes(args, 1024, 4, ac, 0, sp)["saved"]
         for r in ranks:
             assert r["now"] == 0  # everything held was released: the peak is of one step's tensors
-            assert r["peak"] == pytest.approx(predicted, rel=0.1), (sp, r, predicted)
+            assert r["peak"] == pytest.approx(predicted, rel=0.003), (sp, r, predicted)  # (0.28% at most measured)
     for r in split:
         assert 0.45 <= r["peak"] / whole["peak"] <= 0.6, (r, whole)
         # forward and backward exchange in every layer, a checkpointed block's recomputation again
@@ -575,8 +575,9 @@ def _row(e: dict, option: str) -> dict:
 def test_tensor_parallel_splits_the_block_matrices():
     """TP over t: a rank holds 1/t of the block matrices and the whole embedding, head and norms,
     ZeRO shards that over the n/t ranks of its slice, every GPU runs t times the micro-batches; the
-    split activations divide by t, the norms' and the block input do not; 4 all-reduces per block
-    per micro-batch plus 2 in the recomputation, added to the step; the head computed t times."""
+    split activations divide by t, the norms' and the block input do not; 7 all-reduces per block
+    per micro-batch plus 1 in the recomputation (as counted: tests/test_traffic.py), added to the
+    step; the head computed t times."""
     cfg = load_config(REPO / "configs" / "7b.yaml", SHAPE)
     args, n, gpus = cfg.model, num_params(cfg.model), 64
     e = estimate(cfg, args, Assumptions(gpus=gpus))
@@ -598,7 +599,7 @@ def test_tensor_parallel_splits_the_block_matrices():
             4 * k_plain * (dp - 1) / dp * (block + t * (n - block)))
         allreduce = 2 * (t - 1) / t * 4096 * args.dim * 2
         assert tensor_parallel_bytes(args, 4096, 2, t) == allreduce
-        assert r["tp_allreduce_gib_per_gpu"] == pytest.approx(k * (4 + 2) * args.n_layers * allreduce / 2**30)
+        assert r["tp_allreduce_gib_per_gpu"] == pytest.approx(k * (7 + 1) * args.n_layers * allreduce / 2**30)
         assert r["step_s"] == pytest.approx(max(r["compute_s"], r["comm_s"]) + r["tp_allreduce_s"])
         head = 6 * args.vocab_size * args.dim
         assert r["compute_s"] / plain["compute_s"] == pytest.approx(1 + (t - 1) * head / e["flops_per_token"])
@@ -662,7 +663,7 @@ def test_70b_config_and_its_layout_at_256_gpus(capsys):
     assert e["recommended"] == "ZeRO-3 + hpZ"
     wide = load_config(path, ["distributed.tensor_parallel=2"])
     e = estimate(wide, wide.model, Assumptions(gpus=1024))
-    assert "does not split" in _row(e, "ZeRO-3")["error"] and e["recommended"] == "TP 2 + ZeRO-3"
+    assert "is not divisible by" in _row(e, "ZeRO-3")["error"] and e["recommended"] == "TP 2 + ZeRO-3"
     assert main(["estimate", str(path), "--gpus", "256"]) == 0
     out = capsys.readouterr().out
     assert "| TP 8 + ZeRO-3 | distributed.tensor_parallel=8 |" in out
@@ -676,3 +677,77 @@ def test_gpus_per_node_bounds_tensor_parallelism(tmp_path):
     e = json.loads(out.read_text())
     assert [r["option"] for r in e["parallel_options"]] == ["ZeRO-3", "ZeRO-3 + hpZ", "TP 2 + ZeRO-3", "TP 4 + ZeRO-3"]
     assert _row(e, "ZeRO-3 + hpZ")["memory_parts_gib"]["hpz_secondary"] == pytest.approx(2 * e["params"] / 4 / 2**30)
+
+
+def _accepted(path, overrides: list[str], row: dict, gpus: int = 0, sp: int = 0) -> list[str]:
+    """The config's own problems with a table row's layout on the row's GPUs ([] = it runs)."""
+    layout = [f"{k}={str(v).lower()}" for k, v in row.get("overrides", {}).items()]
+    layout += [f"distributed.sequence_parallel={sp}"] if sp else []
+    return load_config(path, overrides + layout).problems(gpus or row["gpus"])
+
+
+def test_a_world_the_batch_does_not_split_over_gets_the_layouts(capsys):
+    """configs/70b.yaml on 1024 GPUs: 512 sequences do not split over 1024 data-parallel ranks (nor
+    do its 512 data streams), so the config as it is does not run there; the estimate says so in
+    its run line and still gives the layouts, recommending TP 2 (512 data-parallel ranks), which the
+    config accepts on 1024 GPUs. Where no layout runs, it still refuses in one line (exit 2)."""
+    path = REPO / "configs" / "70b.yaml"
+    assert main(["estimate", str(path), "--gpus", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "run: 1024 GPU(s), ZeRO-3, bf16, adamw, 4,194,304 tokens per step: not as configured: global batch of " \
+           "512 sequences is not divisible by micro_batch_size 1 x world size 1024" in out
+    assert "recommended: TP 2 + ZeRO-3 (the fastest that fits: " in out and "distributed.tensor_parallel=2\n" in out
+    cfg = load_config(path, [])
+    e = estimate(cfg, cfg.model, Assumptions(gpus=1024))
+    assert e["refused"] and "step_s" not in e and e["recommended"] == "TP 2 + ZeRO-3"
+    assert "is not divisible" in _row(e, "ZeRO-3")["error"] and "step_s" not in _row(e, "ZeRO-3")
+    for r in e["parallel_options"]:
+        assert ("error" in r) == bool(_accepted(path, [], r, 1024)), r
+    assert main(["estimate", str(TINY), "--gpus", "3", "train.micro_batch_size=4", "train.global_batch_size=8"]) == 2
+    assert "pretrain: error: global batch of 8 sequences is not divisible" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path,overrides,gpus", [
+    ("70b.yaml", ["data.seq_len=131072", "model.max_seq_len=131072", "distributed.sequence_parallel=8"], 256),
+    ("70b.yaml", ["distributed.tensor_parallel=2"], 256),
+    ("7b.yaml", SHAPE + ["distributed.hpz=true"], 64),
+    ("7b.yaml", ["model.vocab_size=32000", "data.seq_len=131072", "model.max_seq_len=131072",
+                 "train.global_batch_tokens=4194304", "distributed.sequence_parallel=8"], 64),
+], ids=["70b-sp8", "70b-tp2", "7b-hpz", "7b-sp8"])
+def test_the_tables_list_only_layouts_the_config_accepts(path, overrides, gpus, capsys):
+    """Every row of the layout table and of the sequence-parallel table is a layout the config's own
+    validation (Config.problems) accepts on the row's GPUs, at the configured sequence_parallel.
+    70B at 131k tokens per sequence over 8 GPUs fits (47 GiB): so must the layout table's
+    recommendation, at sequence_parallel=8, without tensor parallelism (which the config refuses
+    with it); under TP the sequence-parallel table has no SP > 1 row (refused with it)."""
+    path = REPO / "configs" / path
+    cfg = load_config(path, overrides)
+    e = estimate(cfg, cfg.model, Assumptions(gpus=gpus))
+    sp = cfg.distributed.sequence_parallel
+    for r in e["parallel_options"]:
+        assert "error" not in r and r["sequence_parallel"] == sp, r
+        assert _accepted(path, overrides, r) == [], r
+    for r in e["sequence_parallel_table"]:
+        assert _accepted(path, overrides, r, sp=r["sequence_parallel"]) == [], r
+    if sp > 1:
+        assert [r["option"] for r in e["parallel_options"]] == ["ZeRO-3", "ZeRO-3 + hpZ"]
+        assert {"TP 2 + ZeRO-3", "TP 8 + ZeRO-3"} <= set(e["not_listed"])
+    if cfg.distributed.tensor_parallel > 1:
+        assert [r["sequence_parallel"] for r in e["sequence_parallel_table"]] == [1]
+    if e["fits"]:
+        assert e["recommended"] is not None
+        assert "recommended: none" not in report(e)
+    if path.name == "70b.yaml" and sp == 8:
+        assert 45 < e["memory_gib_per_gpu"] < 50 and e["recommended"] == "ZeRO-3"
+
+
+def test_muon_step_all_to_all_within_a_node_at_the_in_node_bandwidth():
+    """Muon's all-to-alls run over the ZeRO ranks: on the GPUs of one node at the in-node bandwidth
+    (Assumptions.sp_gbps), over more at the network's (the counted bytes: tests/test_traffic.py)."""
+    cfg = load_config(REPO / "configs" / "1b.yaml", ["model.vocab_size=50304", "optimizer.name=muon"])
+    for gpus, gbps in ((8, Assumptions(gpus=8).sp_gbps), (16, Assumptions(gpus=16).gbps)):
+        e = estimate(cfg, cfg.model, Assumptions(gpus=gpus))
+        m = e["muon"]
+        assert m["step_comm_s"] == pytest.approx(m["step_comm_gib_per_gpu"] * 2**30 / (gbps * 1e9 / 8))
+        assert e["optimizer_step_s"] == pytest.approx(m["ns_s"] + m["step_comm_s"])
+        assert f"s at {gbps:g} Gbit/s; " in report(e)

@@ -42,5 +42,5 @@ def test_hpz_trains_exactly_as_zero3_with_its_gathers_inside_the_node(tmp_path):
     z = zero3_gathered(cfg.model, 0)
     for on, r in ((False, plain_c), (True, hpz_c)):
         intra, inter = zero_traffic(num_params(cfg.model), 3, 4, 2, 2, 4, 2, on, **z)
-        assert r["comm/all_gather_intra_bytes"] == pytest.approx(intra, rel=0.01)
-        assert r["comm/all_gather_inter_bytes"] + r["comm/reduce_scatter_inter_bytes"] == pytest.approx(inter, rel=0.01)
+        assert r["comm/all_gather_intra_bytes"] == pytest.approx(intra, abs=0.5)  # to the byte
+        assert r["comm/all_gather_inter_bytes"] + r["comm/reduce_scatter_inter_bytes"] == pytest.approx(inter, abs=0.5)

@@ -191,3 +191,69 @@ def test_ranks_per_node_under_a_bare_srun(monkeypatch):
     distributed._env_from_slurm()
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("3", "4", "2")
     assert local_world_size() == 2
+
+
+def _counted_step(overrides: list[str], nproc: int = 2) -> dict:
+    """Train the tiny model (vocabulary 4096) 2 steps on `nproc` ranks of one node with the
+    collectives counted; step 2's record."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run_train(ZERO3 + overrides + [f"train.run_dir={tmp}/run"], nproc=nproc, cwd=Path(tmp),
+                  env={"PYTHONPATH": str(REPO)})
+        records = [r for r in read_metrics(Path(tmp) / "run") if "train/loss" in r]
+    assert records[-1]["step"] == 2
+    return records[-1]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_all_reduces_counted_as_estimated():
+    """TP over both of 2 ranks (one data-parallel rank: no ZeRO traffic), 2 micro-batches, every other
+    block checkpointed: the all-reduces counted are the estimate's, to the 24 bytes of the loss's and
+    DeepSpeed's norm's. Per block and micro-batch that is 7 of the b T D activations (2 in forward
+    after wo and w2, 5 in backward: AutoTP's wq, wk, wv, w1 and w3 each all-reduce their input's
+    gradient) and 1 more in a checkpointed block's recomputation (wo's), not 4 + 2."""
+    from pretrain.estimate import GIB, Assumptions, estimate
+
+    overrides = ["distributed.tensor_parallel=2", "train.global_batch_size=2", "train.activation_checkpointing=2"]
+    last = _counted_step(overrides)
+    assert _bytes(last, "all_gather") == _bytes(last, "reduce_scatter") == 0
+    cfg = load_config(TINY, ZERO3 + overrides)
+    e = estimate(cfg, cfg.model, Assumptions(gpus=2))
+    assert e["grad_accum"] == 2 and e["comm_gib_per_gpu"] == 0
+    tp_bytes = e["tp_allreduce_gib_per_gpu"] * GIB
+    assert 0 <= last["comm/all_reduce_intra_bytes"] - tp_bytes <= 24, (last, tp_bytes)
+    one = 2 * 1 / 2 * 64 * cfg.model.dim * 2  # one all-reduce of 64 tokens x D in bf16 over 2 ranks
+    assert tp_bytes == 2 * (7 * 4 + 2) * one  # 4 blocks, 2 of them recomputed
+
+
+@pytest.mark.slow
+def test_muon_step_all_to_all_counted_and_timed_within_the_node():
+    """optimizer.name=muon at ZeRO-3 on 2 ranks of one node: the step's all-to-alls, counted, are
+    the estimate's bytes (at 2 ranks every rank sends the same), all within the node, and the
+    estimate times them at the in-node bandwidth, not the network's; across nodes at the network's.
+    The reduce bucket holds every matrix: one batch of them, of which each rank owns some, so each
+    sends in both all-to-alls (traffic.py fails to count an all-to-all with an empty input)."""
+    from pretrain.estimate import Assumptions, estimate
+
+    muon = ["optimizer.name=muon", "train.global_batch_size=2", "distributed.reduce_bucket_size=10000000"]
+    last = _counted_step(muon)
+    sent = last["comm/all_to_all_intra_bytes"]
+    assert sent > 0 and last["comm/all_to_all_inter_bytes"] == 0
+    cfg = load_config(TINY, ZERO3 + muon)
+    a = Assumptions(gpus=2)
+    m = estimate(cfg, cfg.model, a)["muon"]
+    assert m["step_comm_gib_per_gpu"] * 2**30 == pytest.approx(sent, rel=1e-12)
+    assert m["step_comm_s"] == pytest.approx(sent / (a.sp_gbps * 1e9 / 8))
+    across = estimate(cfg, cfg.model, Assumptions(gpus=2, gpus_per_node=1))["muon"]  # one rank per node
+    assert across["step_comm_s"] == pytest.approx(sent / (a.gbps * 1e9 / 8))
+
+
+def test_an_all_to_all_that_sends_no_rows_counts_nothing():
+    """A rank with nothing to send (Muon's step, when another rank owns a whole batch of matrices)
+    gives an empty input: counted as 0 bytes, not an IndexError that ended the run under
+    logging.comm_bytes."""
+    import torch
+
+    from pretrain.traffic import _alltoall_sent
+
+    assert _alltoall_sent((None, torch.empty(0, 4), None, [0, 0], [0, 0]), 2, 0) == 0
+    assert _alltoall_sent((None, torch.ones(6, 4), None, [3, 3], [2, 4]), 2, 0) == 4 * 4 * 4  # 4 rows of 4 floats
