@@ -31,8 +31,6 @@ across ranks) plus the DeepSpeed engine (its own shards). `restore(start)` bring
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import logging
 import re
@@ -47,8 +45,9 @@ from pathlib import Path
 
 import torch
 
-from pretrain import distributed
+from pretrain import distributed, reshard
 from pretrain.errors import CheckpointError, RunDirError, collective
+from pretrain.reshard import partitioned
 from pretrain.rundir import RunDir, fsync_dir, new_run_id, sha256, write_atomic
 
 log = logging.getLogger(__name__)
@@ -158,10 +157,12 @@ class Start:
     meta: dict | None = None
     step: int = 0
 
-    def universal(self, world_size: int) -> bool:
-        """The optimizer state is partitioned over another world size: DeepSpeed must load it through
-        its universal checkpoint. (ZeRO stage 0 in fp32 saves it whole: any world size loads it.)"""
-        return self.meta is not None and self.meta["world_size"] != world_size and partitioned(self.path)
+    def universal(self, env: distributed.Dist) -> bool:
+        """The optimizer state is partitioned over another layout (world size, or tensor-parallel
+        size): it loads through a universal conversion (pretrain/reshard.py). ZeRO stage 0 in fp32
+        saves it whole per tensor-parallel rank: any data-parallel size loads it directly."""
+        return self.meta is not None and partitioned(self.path) and (
+            self.meta["world_size"] != env.world_size or self.meta.get("tensor_parallel", 1) != env.tp)
 
     def read_state(self, name: str) -> dict | None:
         f = self.path / f"{name}_state.json"
@@ -284,14 +285,12 @@ class CheckpointManager:
                 f"{self.zero_stage}: set distributed.zero_stage={meta['zero_stage']} to resume "
                 "(checkpoint.init_from loads its weights at any stage)"))
         saved_tp = meta.get("tensor_parallel", 1)
-        if saved_tp != self.env.tp or (saved_tp > 1 and meta["world_size"] != self.env.world_size):
-            # DeepSpeed 0.19.8's universal conversion fails on AutoTP shards of grouped-query attention
-            # (ds_to_universal: "Rank 0 supplied a shard of 64 elements, but the map describes 0").
+        if saved_tp != self.env.tp and not partitioned(ckpt):
             raise collective(CheckpointError(
-                f"checkpoint {ckpt} was saved at tensor_parallel={saved_tp} on {meta['world_size']} ranks, this run "
-                f"has tensor_parallel={self.env.tp} on {self.env.world_size}: DeepSpeed cannot convert "
-                "tensor-parallel optimizer shards to another layout; resume with the saved layout, or fine-tune "
-                "from it with checkpoint.init_from (its weights load at any layout)"))
+                f"checkpoint {ckpt} was saved at ZeRO stage 0 in fp32 with tensor_parallel={saved_tp}, this run has "
+                f"tensor_parallel={self.env.tp}: the optimizer state of stage 0 is each tensor-parallel rank's own, "
+                f"not convertible; resume with distributed.tensor_parallel={saved_tp}, or fine-tune from it with "
+                "checkpoint.init_from (its weights load at any layout)"))
         return meta
 
     def _optimizer_name(self) -> str:
@@ -417,53 +416,46 @@ class CheckpointManager:
 
     def _load_engine(self, start: Start) -> None:
         """Weights, optimizer state (and their hyperparameters) from DeepSpeed's shards; at another
-        world size through DeepSpeed's universal checkpoint."""
+        world size or tensor-parallel size through a universal conversion (pretrain/reshard.py)."""
         engine, ckpt = self.engine, start.path
-        load_dir, tag = ckpt.parent, ckpt.name
-        universal = start.universal(self.env.world_size)
-        if universal and any(g.get("use_muon") for g in engine.optimizer.param_groups):
-            # ds_to_universal reads exp_avg/exp_avg_sq of every group (checkpoint/ds_to_universal.py:154);
-            # Muon's groups hold a momentum_buffer: it fails with KeyError 'exp_avg' (DeepSpeed 0.19.8).
-            raise CheckpointError(f"{ckpt} was saved at world size {start.meta['world_size']} with optimizer.name=muon, "
-                                  "whose state DeepSpeed cannot convert to another world size: resume at world size "
-                                  f"{start.meta['world_size']}")
-        if universal:
-            folder = self._universal_dir(ckpt)
-            load_dir, tag = folder.parent, folder.name
+        universal = start.universal(self.env)
+        groups = engine.optimizer.param_groups
+        hyper = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in groups]
         # Decided per checkpoint, not once per engine (DeepSpeed reads its config's load_universal
         # at each load): after a resume at another world size, a decay branch or a rollback goes
         # back to a checkpoint of this world size, or to one of the old size.
         engine._config.load_universal_checkpoint = universal
-        groups = engine.optimizer.param_groups
-        hyper = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in groups]
-        path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
-                                         load_lr_scheduler_states=False)
-        if path is None:
-            raise CheckpointError(f"DeepSpeed could not load {ckpt}")
         if universal:
-            # Two flaws of DeepSpeed's ZeRO-3 universal loader with several param groups: it copies
-            # the first group's hyperparameters into every group (weight decay on norms and
-            # embeddings), and it gives every group the SAME `step` tensor, which torch's AdamW then
-            # increments once per group per step (wrong bias correction). Undo both.
-            # A third: it leaves `step` on the host, where fused AdamW on a GPU refuses it (capturable
-            # and fused AdamW keep it on the parameter's device).
-            for group, saved in zip(groups, hyper):
-                group.update(saved)
-            inner = engine.optimizer.optimizer
-            on_device = any(g.get("fused") or g.get("capturable") for g in inner.param_groups)
-            for param, state in inner.state.items():
-                if torch.is_tensor(state.get("step")):
-                    state["step"] = state["step"].clone().to(param.device if on_device else "cpu")
+            reshard.load_universal(engine, self._universal_dir(ckpt))
+        else:
+            path, _ = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name, load_optimizer_states=True,
+                                             load_lr_scheduler_states=False)
+            if path is None:
+                raise CheckpointError(f"DeepSpeed could not load {ckpt}")
+            return
+        # Two flaws of DeepSpeed's ZeRO-3 universal loader with several param groups: it copies
+        # the first group's hyperparameters into every group (weight decay on norms and
+        # embeddings), and it gives every group the SAME `step` tensor, which torch's AdamW then
+        # increments once per group per step (wrong bias correction). Undo both.
+        # A third: it leaves `step` on the host, where fused AdamW on a GPU refuses it (capturable
+        # and fused AdamW keep it on the parameter's device).
+        for group, saved in zip(groups, hyper):
+            group.update(saved)
+        inner = engine.optimizer.optimizer
+        on_device = any(g.get("fused") or g.get("capturable") for g in inner.param_groups)
+        for param, state in inner.state.items():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone().to(param.device if on_device else "cpu")
 
     def _universal_dir(self, ckpt: Path) -> Path:
-        """Convert `ckpt` to DeepSpeed's universal format (rank 0; cached), for another world size."""
+        """Convert `ckpt` to DeepSpeed's universal format (rank 0; cached), for another layout."""
         out = self.root / ".universal" / ckpt.name
         problem, proc = None, None
-        if self.env.is_main and not (out / "done").is_file():
+        done = out / "done"
+        if self.env.is_main and not (done.is_file() and done.read_text() == reshard.VERSION):
             shutil.rmtree(out, ignore_errors=True)
             out.parent.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt),
-                   "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+            cmd = [sys.executable, "-m", "pretrain.reshard", str(ckpt), str(out)]
             output = tempfile.TemporaryFile("w+")  # not a pipe: a full one would stall the converter
             proc = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, text=True)
         # A 7B conversion can take longer than a collective timeout: the other ranks do not wait in
@@ -477,12 +469,13 @@ class CheckpointManager:
             tail = output.read().strip().splitlines()[-1:]
             output.close()
             if proc.returncode != 0:
-                problem = f"could not convert {ckpt} for world size {self.env.world_size}: {tail}"
-            else:
-                (out / "done").write_text("ok")
+                problem = (f"could not convert {ckpt} for world size {self.env.world_size} (tensor_parallel="
+                           f"{self.env.tp}): {tail}")
         problem = distributed.broadcast_object(problem)
         if problem:
             raise collective(CheckpointError(problem))
+        log.info("converted %s to DeepSpeed's universal format for %d rank(s), tensor_parallel=%d (%s)", ckpt.name,
+                 self.env.world_size, self.env.tp, out)
         return out
 
     # ------------------------------------------------------------------ save
@@ -675,66 +668,11 @@ class CheckpointManager:
             return None
 
 
-def partitioned(ckpt: Path) -> bool:
-    """Whether the checkpoint's weights and optimizer state are split over its ranks (ZeRO 1-3, or
-    DeepSpeed's bf16 optimizer); ZeRO stage 0 in fp32 saves the whole model in one file."""
-    return any(ckpt.glob("*zero_pp_rank_*_optim_states.pt"))
-
-
 def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Full fp32 weights of a checkpoint saved at any world size and ZeRO stage: partitioned ones
-    by DeepSpeed's own consolidation (the same code as its zero_to_fp32.py), whole ones from the
-    model states file. Under tensor parallelism (DeepSpeed writes one set of files per
-    tensor-parallel rank, `mp_rank_TT`), each rank's weights are consolidated apart and the slices
-    joined along the dimension AutoTP split (parallelize.TP_SPLITS)."""
-    ranks = tensor_parallel_ranks(ckpt)
-    slices = [_consolidated(ckpt, tp_rank, len(ranks)) for tp_rank in ranks]
-    if len(slices) == 1:
-        return slices[0]
-    from pretrain.parallelize import tensor_parallel_dim
-
-    out = {}
-    for name, first in slices[0].items():
-        dim = tensor_parallel_dim(name)
-        out[name] = first if dim is None else torch.cat([s[name] for s in slices], dim=dim)
-    return out
-
-
-_MP_RANK = re.compile(r"(^|_)mp_rank_(\d+)_")
-
-
-def tensor_parallel_ranks(ckpt: Path) -> list[int]:
-    """The tensor-parallel ranks a checkpoint has files of (`mp_rank_TT` in DeepSpeed's names: stage
-    0-2's `mp_rank_TT_model_states.pt`, the `zero_pp_rank_R_mp_rank_TT_*` shards)."""
-    found = {int(m.group(2)) for f in ckpt.glob("*.pt") if (m := _MP_RANK.search(f.name))}
-    return sorted(found) or [0]
-
-
-def _consolidated(ckpt: Path, tp_rank: int, tp: int) -> dict[str, torch.Tensor]:
-    """The fp32 weights one tensor-parallel rank holds (the whole model when tp = 1)."""
-    if not partitioned(ckpt):
-        state = torch.load(ckpt / f"mp_rank_{tp_rank:02d}_model_states.pt", map_location="cpu", weights_only=True)
-        return {k: v.float() for k, v in state["module"].items()}
-    return _zero_consolidated(ckpt, tp_rank if tp > 1 else None)
-
-
-def _zero_consolidated(ckpt: Path, tp_rank: int | None = None) -> dict[str, torch.Tensor]:
-    """DeepSpeed's consolidation of ZeRO shards; of one tensor-parallel rank's (which it cannot pick
-    itself: it takes every *_optim_states.pt for a data-parallel shard) through a folder that links
-    that rank's files under tensor-parallel rank 0's names."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(contextlib.redirect_stdout(io.StringIO()))  # it prints progress lines
-        if tp_rank is None:
-            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
-        view = Path(stack.enter_context(tempfile.TemporaryDirectory())) / ckpt.name
-        view.mkdir()
-        for f in ckpt.glob("*.pt"):
-            m = _MP_RANK.search(f.name)
-            if m and int(m.group(2)) == tp_rank:
-                (view / _MP_RANK.sub(r"\1mp_rank_00_", f.name, count=1)).symlink_to(f.resolve())
-        return get_fp32_state_dict_from_zero_checkpoint(str(view.parent), tag=view.name)
+    """Full fp32 weights of a checkpoint saved at any world size, ZeRO stage, precision and
+    tensor-parallel size (pretrain/reshard.py reads DeepSpeed's shards; tests hold it against
+    DeepSpeed's own zero_to_fp32 where that can read them)."""
+    return reshard.fp32_weights(ckpt)
 
 
 def load_weights(model: torch.nn.Module, ckpt: Path, env: distributed.Dist, zero3: bool) -> None:

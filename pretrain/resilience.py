@@ -8,10 +8,13 @@ starts a hang report, which every other rank's watchdog joins:
 
 1. the first watchdog to fire asks every rank for its state, through the rendezvous store (the
    TCP store every rank already talks to; a connection of its own, whose operations time out);
-2. every watchdog looks for that request twice a second and answers it at once, whatever its own
-   timer says: its rank, host, phase, step, time without progress, and whether it waits for other
-   ranks (the phase `collective`, a main thread inside torch.distributed or deepspeed.comm, or, on
-   a GPU, a stream that has not reached the host's latest mark: stalled behind a collective);
+2. every watchdog waits for that request and answers it at once, whatever its own timer says: its
+   rank, host, phase, step, time without progress, and whether it waits for other ranks (the phase
+   `collective`, a main thread inside torch.distributed or deepspeed.comm, or, on a GPU, a stream
+   that has not reached the host's latest mark: stalled behind a collective). It waits blocked in
+   the store (a TCPStore wait, in a thread and on a second connection of its own), never polling:
+   between reports the watchdogs send the store nothing, whatever the number of ranks, and a
+   request reaches every rank as soon as the store can send it (Channel; bench/bench_hang_store.py);
 3. the asking rank waits until every rank has answered (at most REPORT_WAIT_S), then decides. The
    ranks that hang: those that did not answer (frozen, or gone), else those not waiting for others
    that made no progress for about as long as it did, else, when every rank waits, all of them (a
@@ -76,7 +79,7 @@ FIRST_TIMEOUT_S = 1200.0
 LONG_PHASES = ("start", "eval", "save", "branch")
 WAITING = "collective"  # a rank in this phase waits for the others
 POLL_S = 0.02  # the sampling interval (the timeout is checked at the same time)
-LOOK_S = 0.5  # how often a watchdog looks for another rank's request for a report
+LISTEN_S = 24 * 3600.0  # a listener's blocking wait for the next report's call is renewed after this
 REPORT_WAIT_S = 10.0  # the most the asking watchdog waits for every rank's answer
 IO_TIMEOUT_S = 5.0  # a report's file I/O (stacks, the exit record) is abandoned after this
 STORE_TIMEOUT_S = 5.0  # an operation on the rendezvous store that takes longer fails
@@ -88,36 +91,81 @@ STRAGGLER_STREAK = 3  # log steps in a row with the same rank over resilience.st
 
 class Channel:
     """The hang reports' messages, in a key-value store every rank reaches (the rendezvous store,
-    pretrain.distributed.side_store). Reports are numbered: `latest` is the newest one asked for;
-    report g has its asking rank (the first to add to g/asked), each rank's answer and a verdict
-    ("" when no rank hangs: the run goes on)."""
+    pretrain.distributed.side_store: a TCPStore). Reports are numbered: `latest` is the newest one
+    asked for; report g has its asking rank (the first to add to g/asked), a call to each rank
+    (g/call/R, set for every rank at once when the report is asked), each rank's answer and a
+    verdict ("" when no rank hangs: the run goes on).
+
+    Every wait here is the store's own (TCPStore.wait: the store answers when the keys are set), never
+    a loop of requests: a rank waiting for the next report's call, the asking rank waiting for every
+    answer, the others waiting for the verdict. Between reports the store serves the watchdogs
+    nothing, whatever the number of ranks; a report costs it a few requests per rank. A TCPStore
+    client serves one request at a time, so the wait for a call, which lasts until a report, has a
+    connection of its own (`clone`)."""
 
     def __init__(self, store):
         self.store = store
 
+    def clone(self) -> Channel:
+        """The same channel on a new connection to the store."""
+        return Channel(self.store.clone())
+
     def latest(self) -> int:
         return self.store.add("latest", 0)
 
-    def ask(self, g: int) -> bool:
-        """Request report g from every rank; True for the first rank to ask (it gives the verdict)."""
+    def ask(self, g: int, world: int) -> bool:
+        """Request report g from every rank (one request calls them all); True for the first rank to
+        ask (it gives the verdict)."""
         first = self.store.add(f"{g}/asked", 1) == 1
         if first:
             self.store.set("latest", str(g))
+            self.store.multi_set([f"{g}/call/{r}" for r in range(world)], ["1"] * world)
         return first
+
+    def call(self, g: int, rank: int) -> None:
+        """End rank `rank`'s wait for report g's call (its watchdog closes: the call is not a report)."""
+        self.store.set(f"{g}/call/{rank}", "0")
+
+    def wait_call(self, g: int, rank: int, timeout_s: float) -> None:
+        """Block until report g calls rank `rank` (DistStoreError after `timeout_s`)."""
+        self.store.wait([f"{g}/call/{rank}"], _seconds(timeout_s))
 
     def answer(self, g: int, rank: int, head: dict) -> None:
         self.store.set(f"{g}/rank/{rank}", json.dumps(head))
 
-    def answers(self, g: int, world: int) -> dict[int, dict]:
-        keys = {r: f"{g}/rank/{r}" for r in range(world)}
-        return {r: json.loads(self.store.get(k)) for r, k in keys.items() if self.store.check([k])}
+    def answers(self, g: int, world: int, timeout_s: float) -> dict[int, dict]:
+        """The answers to report g once every rank has answered, or those in after `timeout_s`."""
+        from torch.distributed import DistStoreError
+
+        keys = [f"{g}/rank/{r}" for r in range(world)]
+        try:
+            self.store.wait(keys, _seconds(timeout_s))
+        except DistStoreError:  # (the time is up: some ranks did not answer)
+            keys = [k for k in keys if self.store.check([k])]
+        values = self.store.multi_get(keys) if keys else []
+        return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in zip(keys, values)}
 
     def publish(self, g: int, line: str) -> None:
         self.store.set(f"{g}/verdict", line)
 
-    def verdict(self, g: int) -> str | None:
+    def verdict(self, g: int, timeout_s: float = 0.0) -> str | None:
+        """Report g's verdict; None when there is none, after waiting up to `timeout_s` for it."""
+        from torch.distributed import DistStoreError
+
         key = f"{g}/verdict"
+        if timeout_s > 0:
+            try:
+                self.store.wait([key], _seconds(timeout_s))
+            except DistStoreError:
+                return None
+            return self.store.get(key).decode()
         return self.store.get(key).decode() if self.store.check([key]) else None
+
+
+def _seconds(s: float):
+    import datetime
+
+    return datetime.timedelta(seconds=max(s, 0.001))
 
 
 class Watchdog:
@@ -134,8 +182,15 @@ class Watchdog:
         self.reporting = threading.Event()  # set while this rank takes part in a hang report
         self.handled = 0  # the newest hang report this rank took part in
         self._done = threading.Event()
+        self._wake = threading.Event()  # the watchdog thread's: a call heard (or close)
+        self._heard = 0  # the newest report whose call the listener heard
+        self._call = 1  # the report whose call the listener waits for
         self._thread = threading.Thread(target=self._watch, name="pretrain-watchdog", daemon=True)
         self._thread.start()
+        self._listener = None  # waits for other ranks' requests (alone, no rank would ask)
+        if channel is not None and len(hosts) > 1:
+            self._listener = threading.Thread(target=self._listen, name="pretrain-watchdog-listener", daemon=True)
+            self._listener.start()
 
     def mark(self, phase: str, step: int) -> None:
         """This rank entered `phase` of step `step` (the 1-based step being trained)."""
@@ -179,30 +234,79 @@ class Watchdog:
         return self.phase == WAITING or _in_collective() or (event is not None and not event.query())
 
     def close(self) -> None:
-        """Stop watching; a hang report in progress is finished first (it ends the process)."""
+        """Stop watching; a hang report in progress is finished first (it ends the process). The
+        listener's wait in the store is ended too (no request stays in flight: a store that goes
+        away with rank 0's process after this must not make this rank's listener fail)."""
         if self.reporting.is_set():
-            self._thread.join(timeout=HANG_EXIT_S + LOOK_S + 5)
+            self._thread.join(timeout=HANG_EXIT_S + 5)
         self._done.set()
+        self._wake.set()
         self._thread.join(timeout=5)
+        listener = self._listener
+        if listener is not None and listener.is_alive():
+            try:
+                self.channel.call(self._call, self.rank)
+            except Exception:  # noqa: BLE001 - the store is gone: so is the wait
+                pass
+            listener.join(timeout=STORE_TIMEOUT_S)
 
     def _watch(self) -> None:
         if self.device is not None:  # (events are queried in this thread)
             torch.cuda.set_device(self.device)
-        next_look = 0.0
-        while not self._done.wait(POLL_S):
+        while not self._done.is_set():
+            self._wake.wait(POLL_S)
+            if self._done.is_set():
+                break
             self.samples[self.phase != WAITING and not _in_collective()] += 1
             now = time.monotonic()
             idle = now - self.since
             if idle > self.timeout():
                 self._report(idle, fired=True)
-            elif self.channel is not None and now >= next_look:
-                next_look = now + LOOK_S
-                try:
-                    latest = self.channel.latest()
-                except Exception:  # noqa: BLE001 - the store is gone: the rank that fires says so
-                    latest = self.handled
+            elif self._wake.is_set():  # the listener heard a call: another rank asks for a report
+                self._wake.clear()
+                latest = self._heard
                 if latest > self.handled:
                     self._report(idle, fired=False, g=latest)
+
+    def _listen(self) -> None:
+        """The listener thread: waits for the next report's call to this rank, blocked in the store
+        on a connection of its own (no polling), hands the report to the watchdog thread, waits
+        for this rank's part in it to end (a hang ends the process), then for the next call."""
+        from torch.distributed import DistStoreError
+
+        try:
+            ear = _connected(self.channel)
+        except Exception as e:  # noqa: BLE001
+            log.warning("warning: rank %d cannot wait for hang reports (the rendezvous store did not answer: %s); it "
+                        "takes part in one only when its own watchdog fires", self.rank, _short(e))
+            return
+        g = 1
+        while True:
+            self._call = g  # (before the check: close() ends the wait for this call)
+            if self._done.is_set():
+                return
+            try:
+                ear.wait_call(g, self.rank, LISTEN_S)
+                latest = ear.latest()
+            except DistStoreError:  # no call for LISTEN_S: wait again
+                self._done.wait(1.0)
+                continue
+            except Exception as e:  # noqa: BLE001 - the store is gone: a rank that fires says so
+                if not self._done.is_set():
+                    log.warning("warning: rank %d stops waiting for hang reports: the rendezvous store did not answer "
+                                "(%s)", self.rank, _short(e))
+                return
+            if self._done.is_set():
+                return
+            if latest < g:  # (not a report: ask() sets `latest` before the calls)
+                self._done.wait(1.0)
+                continue
+            self._heard = latest
+            self._wake.set()
+            while self.handled < latest or self.reporting.is_set():
+                if self._done.wait(POLL_S):
+                    return
+            g = max(self.handled, latest) + 1
 
     def _report(self, idle: float, fired: bool, g: int = 0) -> None:
         """This rank's part of hang report `g` (module docstring): ends the process with EXIT_HANG
@@ -220,7 +324,7 @@ class Watchdog:
                     if fired:  # join the report in progress, if one is, else ask for the next
                         g = self.channel.latest()
                         g = g if g > self.handled and self.channel.verdict(g) is None else max(g, self.handled) + 1
-                        leader = self.channel.ask(g)
+                        leader = self.channel.ask(g, len(self.hosts))
                     self.channel.answer(g, self.rank, head)
             except Exception as e:  # noqa: BLE001
                 unreachable = f"the rendezvous store did not answer ({_short(e)})"
@@ -241,15 +345,12 @@ class Watchdog:
 
     def _give_verdict(self, g: int, head: dict, idle: float, unreachable: str | None) -> bool:
         """The asking rank: every rank's answer (or REPORT_WAIT_S), then the verdict; True for a hang."""
-        answers, deadline = {self.rank: head}, time.monotonic() + REPORT_WAIT_S
-        while unreachable is None:
+        answers = {self.rank: head}
+        if unreachable is None:
             try:
-                answers = self.channel.answers(g, len(self.hosts)) or answers
+                answers = self.channel.answers(g, len(self.hosts), REPORT_WAIT_S) or answers
             except Exception as e:  # noqa: BLE001
                 unreachable = f"the rendezvous store did not answer ({_short(e)})"
-            if len(answers) == len(self.hosts) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
         line, named = verdict(answers, self.hosts, idle, unreachable)
         if line is None:  # a rank makes progress: the others wait for it
             try:
@@ -271,17 +372,14 @@ class Watchdog:
     def _await_verdict(self, g: int, head: dict, idle: float) -> bool:
         """Wait for the asking rank's verdict (True for a hang: the stacks are written); if it never
         comes (that rank is gone), give one."""
-        deadline = time.monotonic() + REPORT_WAIT_S + IO_TIMEOUT_S + STORE_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                line = self.channel.verdict(g)
-            except Exception:  # noqa: BLE001
-                break
-            if line is not None:
-                if line:
-                    _bounded(self._write_stacks, head)
-                return bool(line)
-            time.sleep(0.1)
+        try:
+            line = self.channel.verdict(g, REPORT_WAIT_S + IO_TIMEOUT_S + STORE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - the store is gone: this rank's verdict says so
+            line = None
+        if line is not None:
+            if line:
+                _bounded(self._write_stacks, head)
+            return bool(line)
         return self._give_verdict(g, head, idle, None)
 
     def _write_stacks(self, head: dict) -> None:
@@ -290,6 +388,16 @@ class Watchdog:
             f.write(json.dumps(head) + "\n")
             f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
+
+
+def _connected(channel: Channel, tries: int = 3) -> Channel:
+    """`channel` on a connection of its own (a connect that fails is tried again)."""
+    for _ in range(tries - 1):
+        try:
+            return channel.clone()
+        except Exception:  # noqa: BLE001
+            pass
+    return channel.clone()
 
 
 def _bounded(fn, *args) -> str | None:

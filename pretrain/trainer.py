@@ -305,7 +305,7 @@ class Trainer:
             if env.tp > 1:
                 gather = lambda obj: distributed.all_gather_objects(obj)[::env.tp]  # noqa: E731
             with ulysses.local_attention(self.engine.module):
-                results = self.tasks(logits, env.device, rank, world, gather)
+                results = self.tasks(logits, env.device, rank, world, gather, self._progress)
             out.update({f"eval/{task}/{k}": v for task, r in results.items() for k, v in r["metrics"].items()})
             out["eval/tasks_s"] = time.perf_counter() - t0
         self.engine.train()

@@ -414,9 +414,9 @@ def test_muon_config_is_checked(override, message):
 @pytest.mark.slow
 def test_muon_checkpoints_resume_bitwise_and_refuse_what_they_cannot(tmp_path):
     """2-rank ZeRO-3 Muon run, checkpoint at step 4: resumed at 2 ranks it repeats steps 5-8
-    bitwise (the momentum buffers are in DeepSpeed's optimizer shards); at 1 rank it is refused in
-    one line (DeepSpeed's universal conversion fails on Muon's state: KeyError 'exp_avg'); with
-    optimizer.name=adamw it is refused too (a resume keeps the optimizer). Fine-tuning from it with
+    bitwise (the momentum buffers are in DeepSpeed's optimizer shards); at 1 rank it repeats them
+    within 1e-6 (its own universal conversion: DeepSpeed's fails on Muon's state, KeyError
+    'exp_avg'); with optimizer.name=adamw it is refused (a resume keeps the optimizer). Fine-tuning from it with
     AdamW starts a fresh optimizer; asking to load its optimizer state then is refused."""
     import shutil
 
@@ -436,18 +436,20 @@ def test_muon_checkpoints_resume_bitwise_and_refuse_what_they_cannot(tmp_path):
     carried = run_train(base + ["optimizer.name=adamw", f"checkpoint.init_from={step4}", "checkpoint.init_load_optimizer=true",
                                 f"train.run_dir={tmp_path / 'carried'}"], nproc=2, check=False)
     assert carried.returncode != 0 and "was trained with optimizer.name=muon" in carried.stdout + carried.stderr
+    want = losses(straight)
     for name, nproc, extra in [("again", 2, []), ("one", 1, []), ("adamw", 2, ["optimizer.name=adamw"])]:
         shutil.copytree(straight / "checkpoints" / "step_00000004", tmp_path / name / "checkpoints" / "step_00000004")
         proc = run_train(base + extra + ["checkpoint.resume=auto", f"train.run_dir={tmp_path / name}"], nproc=nproc,
-                         check=name == "again")
+                         check=name != "adamw")
         if name == "again":
-            got, want = losses(tmp_path / name), losses(straight)
+            got = losses(tmp_path / name)
             assert sorted(got) == [5, 6, 7, 8] and all(got[s] == want[s] for s in got)
+        elif name == "one":  # through pretrain/reshard.py's conversion, the momentum included
+            got = losses(tmp_path / name)
+            assert sorted(got) == [5, 6, 7, 8] and all(got[s] == pytest.approx(want[s], rel=1e-6) for s in got), got
         else:
             assert proc.returncode != 0
-            want = ("whose state DeepSpeed cannot convert" if name == "one" else
-                    "was trained with optimizer.name=muon, this run has optimizer.name=adamw")
-            assert want in proc.stdout + proc.stderr
+            assert "was trained with optimizer.name=muon, this run has optimizer.name=adamw" in proc.stdout + proc.stderr
 
 
 # The user's path (tests/test_user_path.py's): 2 ranks, bf16, ZeRO-3, activation checkpointing, 1024 tokens.

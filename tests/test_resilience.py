@@ -134,14 +134,16 @@ def test_a_crashed_rank_resumes_exactly(tmp_path, straight):
 
 @pytest.mark.slow
 def test_a_slow_rank_is_found(tmp_path, straight):
-    """Rank 1 sleeps 0.3 s in every step: its step times look like everyone's (the all-reduce waits
+    """Rank 1 sleeps 0.8 s in every step: its step times look like everyone's (the all-reduce waits
     for it), its busy time does not. The warning comes once, after 3 log steps in a row."""
-    proc = run_train(BASE + [f"train.run_dir={tmp_path}"], nproc=2, env={"PRETRAIN_FAULT": "slow@rank=1,seconds=0.3"})
+    proc = run_train(BASE + [f"train.run_dir={tmp_path}"], nproc=2, env={"PRETRAIN_FAULT": "slow@rank=1,seconds=0.8"})
     records = [r for r in read_metrics(tmp_path) if "perf/slowest_rank" in r]
     assert len(records) == 8
     for r in records:
         assert r["perf/slowest_rank"] == 1 and r["perf/slowest_host"] == socket.gethostname()
-        assert r["perf/straggler_ratio"] > 1.3  # (measured ~1.6-1.8 with steps of ~0.15 s of work)
+        # (busy times 0.8 + w against w: (0.8 + w) / (0.4 + w) is over 1.3 for up to 0.9 s of work a
+        # step, the 0.3 s sleep this had was not on a slow day, 0.4-0.7 s of work a step: 1.19-1.62)
+        assert r["perf/straggler_ratio"] > 1.3
         assert r["perf/straggler_ratio"] == r["perf/straggler_ratio_host"]
     # The compute view is not fooled: rank 0's wait for rank 1 (in ZeRO-3's gathers inside the
     # forward) is not compute. (Measured below 1.1 here; 1.25 leaves room for a loaded machine.)
@@ -331,32 +333,22 @@ def test_a_hang_report_needs_no_file_system(tmp_path):
     assert json.loads((tmp_path / "exit.json").read_text())["code"] == 4
 
 
-# Two watchdogs in one process (ranks 0 and 1) sharing an in-memory store: rank 0 waits in a
-# collective (hang_timeout_s=1) while rank 1 makes progress for 4 s, then stops.
+# Two watchdogs in one process (ranks 0 and 1), each with its own connection to a TCPStore on
+# loopback, as distributed.side_store gives them: rank 0 waits in a collective (hang_timeout_s=1)
+# while rank 1 makes progress for 4 s, then stops.
 _TWO_WATCHDOGS = """
-import sys, threading, time
+import datetime, sys, time
 from pathlib import Path
+import torch.distributed as dist
 from pretrain.resilience import Channel, Watchdog
 
-class Store:  # the TCPStore calls the watchdog makes
-    def __init__(self):
-        self.kv, self.lock = {}, threading.Lock()
-    def add(self, key, n):
-        with self.lock:
-            self.kv[key] = str(int(self.kv.get(key, b"0")) + n).encode()
-            return int(self.kv[key])
-    def set(self, key, value):
-        with self.lock:
-            self.kv[key] = value.encode()
-    def get(self, key):
-        with self.lock:
-            return self.kv[key]
-    def check(self, keys):
-        with self.lock:
-            return all(k in self.kv for k in keys)
+def client(port):
+    return dist.PrefixStore("pretrain/hangs/start/", dist.TCPStore("127.0.0.1", port, is_master=False,
+                            wait_for_workers=False, timeout=datetime.timedelta(seconds=30)))
 
-store = Store()
-dogs = [Watchdog(Path(sys.argv[1]), r, ["a", "b"], 1.0, 1800.0, Channel(store)) for r in (0, 1)]
+master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+store = client(master.port)
+dogs = [Watchdog(Path(sys.argv[1]), r, ["a", "b"], 1.0, 1800.0, Channel(client(master.port))) for r in (0, 1)]
 dogs[0].mark("collective", 3)
 dogs[1].mark("eval", 3)
 end = time.monotonic() + 4

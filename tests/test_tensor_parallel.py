@@ -175,8 +175,10 @@ def test_tp2_by_dp2_on_four_ranks_trains_resumes_and_evaluates_as_tp1(tmp_path):
     """fp32, ZeRO-3, activation checkpointing, seq 1024: TP=2 x DP=2 on 4 ranks, stopped at step 2 and
     resumed, gives the losses of an uninterrupted TP=1 run (within 1e-6 relative), and the same
     in-loop eval and task scores (a tensor-parallel group scores each request together). Its
-    checkpoint refuses another layout in one line, and consolidates (each tensor-parallel rank's
-    ZeRO shards, the slices joined) to the TP=1 run's weights, so `pretrain eval` gives its numbers."""
+    step-2 checkpoint resumes at another data-parallel size and at another tensor-parallel size
+    (it was refused: DeepSpeed's converter cannot read AutoTP's ZeRO-3 shards) with the same losses,
+    and its checkpoint consolidates (each tensor-parallel rank's ZeRO shards, the slices joined) to
+    the TP=1 run's weights, so `pretrain eval` gives its numbers."""
     tasks = _tasks(tmp_path)
     common = [*TP_RUN, "train.precision=fp32", "train.max_steps=4", "train.eval_every=4", f"train.eval_tasks=[{tasks}]"]
     one, four = tmp_path / "tp1", tmp_path / "tp2dp2"
@@ -195,13 +197,18 @@ def test_tp2_by_dp2_on_four_ranks_trains_resumes_and_evaluates_as_tp1(tmp_path):
     meta = json.loads((four / "checkpoints" / "step_00000004" / "meta.json").read_text())
     assert (meta["tensor_parallel"], meta["data_parallel"], meta["sequence_parallel"], meta["world_size"]) == (2, 2, 1, 4)
 
-    # Another layout: one line, exit 2, the checkpoints untouched.
-    before = sorted(p.name for p in (four / "checkpoints").iterdir())
-    proc = run_train([*common, f"train.run_dir={four}", "train.max_steps=6", "checkpoint.resume=auto"], check=False)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "was saved at tensor_parallel=2 on 4 ranks, this run has tensor_parallel=1 on 1" in proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert sorted(p.name for p in (four / "checkpoints").iterdir()) == before
+    # Another layout, from step 2's checkpoint: TP 2 x DP 1 on 2 ranks and TP 1 on 1 rank, through a
+    # universal conversion (pretrain/reshard.py: every rank's slices joined, cut again for the new
+    # layout), continue as the uninterrupted run.
+    step2 = four / "checkpoints" / "step_00000002"
+    for nproc, tp in [(2, 2), (1, 1)]:
+        moved = tmp_path / f"tp{tp}on{nproc}"
+        run_train([*common, f"train.run_dir={moved}", f"distributed.tensor_parallel={tp}", f"checkpoint.resume={step2}"],
+                  nproc=nproc, timeout=600)
+        got = losses(moved)
+        assert got.keys() == {3, 4}, got
+        for step in got:
+            assert got[step] == pytest.approx(want[step], rel=1e-6), (nproc, tp, step, want, got)
 
     # Consolidated: the TP=1 model's weights and numbers.
     from pretrain.checkpoint import consolidated_state_dict
@@ -212,8 +219,9 @@ def test_tp2_by_dp2_on_four_ranks_trains_resumes_and_evaluates_as_tp1(tmp_path):
     for name in w1:
         assert w2[name].shape == w1[name].shape, name
         # (relative Frobenius norm: Adam moves a weight whose gradient is near its eps by up to 5e-4 of
-        # the tensor's largest entry when the gradient's last digits differ; 16 of 262k entries do)
-        assert ((w2[name] - w1[name]).norm() / w1[name].norm()).item() < 1e-5, name
+        # the tensor's largest entry when the gradient's last digits differ; 16 of 262k entries do:
+        # 1.04e-5 measured on a w2; a slice joined wrongly is of the order of 1)
+        assert ((w2[name] - w1[name]).norm() / w1[name].norm()).item() < 3e-5, name
     scores = []
     for run in (one, four):
         out = tmp_path / f"{run.name}.json"
@@ -277,6 +285,11 @@ def test_tensor_parallel_at_each_zero_stage_equals_tp1(tmp_path, stage, precisio
             assert proc.returncode == 0, proc.stderr[-3000:]
             scores.append(json.loads(out.read_text()))
         assert scores[1]["loss"] == pytest.approx(scores[0]["loss"], rel=1e-5)
+    if stage == 0:  # stage 0's optimizer state is each tensor-parallel rank's own: another TP size is one line
+        proc = run_train([*common, f"train.run_dir={tmp_path / 'tp1'}", "train.max_steps=4",
+                          f"checkpoint.resume={two / 'checkpoints' / 'step_00000003'}"], check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert "was saved at ZeRO stage 0 in fp32 with tensor_parallel=2, this run has tensor_parallel=1" in proc.stderr
     run_train([*common, f"train.run_dir={ft}", "distributed.tensor_parallel=2", "train.max_steps=1",
                "optimizer.lr=0", "schedule.min_lr=0", f"checkpoint.init_from={one / 'checkpoints' / 'step_00000003'}"],
               nproc=2, timeout=600)

@@ -107,13 +107,16 @@ class TaskSuite:
             raise UserError(f"tasks {', '.join(specs)}: two of them have the same name")
         self.checked_len = None
 
-    def check(self, tokenizer, eot: int, max_len: int) -> None:
+    def check(self, tokenizer, eot: int, max_len: int, progress=None) -> None:
         """Every request scorable (UserError naming the first that is not): run on every rank over
-        every instance before any forward, so a bad one stops all ranks alike."""
+        every instance before any forward, so a bad one stops all ranks alike. `progress()` is
+        called as it goes (thousands of instances take seconds: the hang watchdog sees them)."""
         if self.checked_len == max_len:
             return
         for task, instances, _ in self.tasks:
-            for inst in instances:
+            for n, inst in enumerate(instances):
+                if progress is not None and n % 64 == 0:
+                    progress()
                 for context, continuation in inst.requests():
                     try:
                         encode_request(tokenizer, eot, context, continuation, max_len)
@@ -121,11 +124,12 @@ class TaskSuite:
                         raise UserError(f"task {task}, instance {inst.id}: {e}") from None
         self.checked_len = max_len
 
-    def __call__(self, logits_fn, device, rank: int = 0, world: int = 1, gather=None, *, tokenizer, eot: int,
-                 max_len: int) -> dict:
+    def __call__(self, logits_fn, device, rank: int = 0, world: int = 1, gather=None, progress=None, *, tokenizer,
+                 eot: int, max_len: int) -> dict:
         """{task: {"metrics": {name: mean}, "n", "format", "instances": [per instance]}}, the same on
-        every rank. `gather(obj) -> [obj of each rank]` for world > 1."""
-        self.check(tokenizer, eot, max_len)
+        every rank. `gather(obj) -> [obj of each rank]` for world > 1; `progress()` is called while the
+        requests are checked (each forward of `logits_fn` is progress of its own)."""
+        self.check(tokenizer, eot, max_len, progress)
         results = {}
         for task, instances, pool in self.tasks:
             mine = []
