@@ -165,12 +165,22 @@ def fp32_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     """The whole model's fp32 weights from a checkpoint of any ZeRO stage, precision, world size and
     tensor-parallel size: ZeRO's master weights, or stage 0's fp32 model states."""
     ranks = tensor_parallel_ranks(ckpt)
-    if partitioned(ckpt):
-        slices = [read_shards(ckpt, t, keys=("fp32",))[0] for t in ranks]
-        slices = [{name: states["fp32"] for name, states in s.items()} for s in slices]
-    else:
+    if not partitioned(ckpt):
         slices = [{k: v.float() for k, v in _model_states(ckpt, t)["module"].items()} for t in ranks]
-    return {name: _join(name, [s[name] for s in slices]) for name in slices[0]}
+        return {name: _join(name, [s[name] for s in slices]) for name in slices[0]}
+    slices = [read_shards(ckpt, t, keys=("fp32",))[0] for t in ranks]
+    slices = [{name: states["fp32"] for name, states in s.items()} for s in slices]
+    out = {name: _join(name, [s[name] for s in slices]) for name in slices[0]}
+    # What the shards leave out, as DeepSpeed's zero_to_fp32 restores it: the buffers (in the model
+    # states' module), and each tied weight's second name (model.tie_embeddings: output.weight is
+    # tok_embeddings.weight, partitioned once).
+    states = _model_states(ckpt, ranks[0])
+    buffers = set(states.get("buffer_names") or ())
+    out.update({k: v.float() for k, v in states["module"].items() if k in buffers})
+    for alias, name in (states.get("shared_params") or {}).items():
+        if name in out:
+            out[alias] = out[name]
+    return out
 
 
 def write_universal(ckpt: Path, out: Path) -> None:
