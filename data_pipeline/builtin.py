@@ -4,7 +4,7 @@
 ~465 KB), split into documents of a few paragraphs, written once as jsonl files into a cache dir and
 then read through the same `datasets` json path as any user file. `builtin:python-docs-bpe` is a
 4096-token byte-level BPE tokenizer trained on it, shipped in `data_pipeline/assets/`
-(rebuild with `python -m data_pipeline.builtin`). `builtin:python-docstrings` is a second corpus of
+(rebuild with `python -m data_pipeline.tokenizer`). `builtin:python-docstrings` is a second corpus of
 the same kind, the stdlib modules' docstrings, used by the fine-tuning example.
 """
 
@@ -114,21 +114,5 @@ def tokenizer_file(name: str) -> Path:
     path = TOKENIZERS[name]
     if not path.exists():
         raise DataError(f"builtin tokenizer file {path} is missing: rebuild it with "
-                        "`python -m data_pipeline.builtin`")
+                        "`python -m data_pipeline.tokenizer`")
     return path
-
-
-def build_tokenizer_asset() -> None:
-    """Train the builtin tokenizers on the builtin datasets' train splits and write them into assets/."""
-    from data_pipeline.config import SourceConfig
-    from data_pipeline.tokenizer import train_tokenizer
-
-    for name, sources, vocab in (("python-docs-bpe", ["builtin:python-docs"], 4096),
-                                 ("python-bpe-512", ["builtin:python-docs", "builtin:python-docstrings"], 512)):
-        path = TOKENIZERS[name]
-        tok = train_tokenizer([SourceConfig(path=s) for s in sources], vocab, path)
-        print(f"wrote {path} (vocab {tok.get_vocab_size()})")
-
-
-if __name__ == "__main__":
-    build_tokenizer_asset()

@@ -6,6 +6,11 @@ import os
 import re
 from dataclasses import dataclass, field
 
+# The local files a source reads, by extension (data_pipeline/sources.py opens them).
+EXT_KINDS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
+             ".ndjson": "json", ".parquet": "parquet"}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+
 
 @dataclass
 class SourceConfig:
@@ -64,8 +69,6 @@ class DataConfig:
 def source_names(sources: list[SourceConfig]) -> list[str]:
     """A short, unique name per source for metrics (`data/tokens/NAME`): its `label`, else from its
     path: builtin:python-docs -> python-docs, org/name -> name, data/web/*.jsonl.gz -> web."""
-    from data_pipeline.sources import COMPRESSIONS, EXT_KINDS
-
     names = []
     for src in sources:
         name = src.label

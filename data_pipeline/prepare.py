@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-from data_pipeline.config import DataConfig, SourceConfig, source_names
+from data_pipeline.config import COMPRESSIONS, DataConfig, SourceConfig, source_names
 from data_pipeline.errors import DataError
-from data_pipeline.sources import COMPRESSIONS, META, PREPARED_FORMAT, PreparedSource, TextSource, resolve_source
+from data_pipeline.sources import META, PREPARED_FORMAT, PreparedSource, TextSource, resolve_source
 from data_pipeline.tokenizer import encode_docs, eot_id, fork_safe, load_tokenizer, tokenizer_fingerprint
 
 SHARD_TOKENS = 1 << 28  # tokens per output file at most (512 MiB as uint16)

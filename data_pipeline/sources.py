@@ -18,13 +18,10 @@ from typing import Iterator
 
 import numpy as np
 
-from data_pipeline.config import SourceConfig
+from data_pipeline.config import COMPRESSIONS, EXT_KINDS, SourceConfig
 from data_pipeline.errors import DataError
 
 KINDS = ("auto", "hub", "text", "json", "parquet", "prepared", "builtin")
-EXT_KINDS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
-             ".ndjson": "json", ".parquet": "parquet"}
-COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 SAMPLE_BY = ("line", "paragraph", "document")
 META = "meta.json"
 PREPARED_FORMAT = "pretrain-tokens/1"  # meta.json "format" of a prepared directory this version reads

@@ -160,3 +160,19 @@ def train_tokenizer(sources: list[SourceConfig], vocab_size: int, out_path: str 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_path))
     return tok
+
+
+def build_tokenizer_assets() -> None:
+    """Train the builtin tokenizers on the builtin datasets' train splits and write them into
+    data_pipeline/assets/ (`python -m data_pipeline.tokenizer`)."""
+    from data_pipeline import builtin
+
+    for name, sources, vocab in (("python-docs-bpe", ["builtin:python-docs"], 4096),
+                                 ("python-bpe-512", ["builtin:python-docs", "builtin:python-docstrings"], 512)):
+        path = builtin.TOKENIZERS[name]
+        tok = train_tokenizer([SourceConfig(path=s) for s in sources], vocab, path)
+        print(f"wrote {path} (vocab {tok.get_vocab_size()})")
+
+
+if __name__ == "__main__":
+    build_tokenizer_assets()

@@ -122,3 +122,18 @@ def loggers(cfg: Config, env: distributed.Dist, run_dir: Path, run_id: str, star
         out.append(WandbLogger(run_dir, lg.wandb, lg.project, lg.entity, lg.name, wandb_config, run_id=run_id,
                                group=lg.group))
     return Loggers(out)
+
+
+def model_args(cfg: Config) -> ModelArgs:
+    """The model shape with its vocabulary size: a Hugging Face init_from's config.json, or the config's
+    model with the vocabulary from its tokenizer if it is not set."""
+    if hub.is_hf_model(cfg.checkpoint.init_from):
+        return hf_model_args(cfg)
+    if cfg.model.vocab_size:
+        return cfg.model
+    from data_pipeline.errors import DataError
+
+    try:
+        return tokenizer_and_model_args(cfg)[1]
+    except DataError as e:
+        raise ConfigError(f"{e} (or set model.vocab_size=N to estimate without the tokenizer)") from None

@@ -81,9 +81,21 @@ def _plot(args) -> None:
 
 
 def _estimate(args) -> None:
-    from pretrain.estimate import estimate_cli
+    from pretrain.build import model_args
+    from pretrain.config import load_config
+    from pretrain.estimate import Assumptions, estimate, report
+    from pretrain.metrics import peak_flops_for
 
-    estimate_cli(args)
+    cfg = load_config(args.config, args.overrides)
+    precision = args.precision or (cfg.train.precision if cfg.train.precision != "auto" else "bf16")
+    peak = args.peak_tflops or (cfg.distributed.peak_flops / 1e12 if cfg.distributed.peak_flops
+                                else peak_flops_for("NVIDIA H100 80GB HBM3", precision) / 1e12)
+    e = estimate(cfg, model_args(cfg), Assumptions(args.gpus, args.mfu, peak, args.gbps, precision, args.gpu_memory,
+                                                   gpus_per_node=args.gpus_per_node))
+    print(report(e))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(e, f, indent=1)
 
 
 def _generate(args) -> None:

@@ -27,7 +27,6 @@ import yaml
 from data_pipeline.config import DataConfig
 from pretrain.errors import ConfigError
 from pretrain.model.args import PRESETS, ModelArgs, _divisor_hint
-from pretrain.resilience import HANG_EXIT_S
 
 
 @dataclass
@@ -122,6 +121,15 @@ class DistributedConfig:
     sequence_parallel: int = 1  # Ulysses: each sequence split over this many ranks (divides the world, n_heads and seq_len; docs/long_context.md)
     tensor_parallel: int = 1  # AutoTP: each block's matrices split over this many consecutive ranks (one node's GPUs), which read the same batch (divides the world, n_heads, n_kv_heads and the FFN width; docs/performance.md)
     hpz: bool = False  # ZeRO++ hierarchical partitioning (ZeRO-3, more than one node): a second copy of the 16-bit weights sharded within each node, so the forward and backward gathers never leave it (docs/performance.md)
+
+
+# The hang report's fixed waits (pretrain/resilience.py). They bound how long a report takes, which
+# the config keeps below the collective timeout (resilience.hang_timeout_s).
+REPORT_WAIT_S = 10.0  # the most the asking watchdog waits for every rank's answer
+IO_TIMEOUT_S = 5.0  # a report's file I/O (stacks, the exit record) is abandoned after this
+STORE_TIMEOUT_S = 5.0  # an operation on the rendezvous store that takes longer fails
+# From a watchdog firing to every rank's exit, at most: the answers, then the verdict's I/O.
+HANG_EXIT_S = REPORT_WAIT_S + 2 * IO_TIMEOUT_S + STORE_TIMEOUT_S
 
 
 @dataclass
@@ -382,6 +390,18 @@ def muon_problems(cfg: "Config") -> list[str]:
                    "each rank holds a slice of them (pretrain/muon.py gathers over data-parallel ranks only); use "
                    "adamw or tensor_parallel=1")
     return out
+
+
+def zero_sizes(cfg: Config) -> dict:
+    """ZeRO's bucket sizes and persistence threshold in elements: as configured, or derived from the
+    hidden size D by the rule of the Hugging Face DeepSpeed integration's "auto" values: reduce
+    buckets D^2 (a few layers' gradients per reduce), prefetch 0.9 D^2, and parameters below 10 D
+    elements (norms, small biases) kept whole, since gathering them costs more than they save."""
+    d, dim = cfg.distributed, cfg.model.dim
+    return {"reduce_bucket_size": d.reduce_bucket_size or dim * dim,
+            "prefetch_bucket_size": d.prefetch_bucket_size or int(0.9 * dim * dim),
+            "param_persistence_threshold": 10 * dim if d.param_persistence_threshold < 0
+            else d.param_persistence_threshold}
 
 
 # ---------------------------------------------------------------- loading

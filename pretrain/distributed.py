@@ -256,6 +256,17 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
     return tensor
 
 
+def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
+               group=None) -> torch.Tensor:
+    """Exchange rows (dim 0) over the ranks of `group` (a group of the default backend): `input_splits[r]`
+    rows of `input` go to rank r, `output_splits[r]` rows from rank r fill `output`; tensors on this
+    rank's device (at one rank a copy)."""
+    if input.device.type != _DEVICE_TYPE or output.device.type != _DEVICE_TYPE:
+        raise RuntimeError(f"distributed.all_to_all takes {_DEVICE_TYPE} tensors, got {input.device} and {output.device}")
+    dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
+    return output
+
+
 def host_sum(values: list[float]) -> list[float]:
     """Element-wise float64 sum over all ranks, host to host (the CPU group)."""
     sums = torch.tensor(values, dtype=torch.float64)

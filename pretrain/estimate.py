@@ -113,15 +113,13 @@ added to the step's.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 
-from pretrain.config import Config
+from pretrain.config import Config, zero_sizes
 from pretrain.errors import ConfigError
 from pretrain.model.args import ModelArgs
 from pretrain.model.model import LOSS_CHUNK_BYTES, flops_per_token, num_params
-from pretrain.model.ulysses import kv_replication
 
 GIB = 2**30
 
@@ -129,6 +127,11 @@ GIB = 2**30
 def _checkpointed(args: ModelArgs, ac_every: int) -> int:
     """Blocks under activation checkpointing (parallelize.apply_activation_checkpointing)."""
     return len(range(0, args.n_layers, ac_every)) if ac_every else 0
+
+
+def kv_replication(n_kv_heads: int, size: int) -> int:
+    """How many times each KV head is repeated before the exchange over `size` ranks."""
+    return size // math.gcd(n_kv_heads, size)
 
 
 def activation_bytes(args: ModelArgs, tokens: int, p: int, ac_every: int, loss_chunk: int = 0,
@@ -283,6 +286,30 @@ def muon_matrices(args: ModelArgs) -> list[list[tuple[int, int]]]:
     return list(groups.values())
 
 
+def owners(costs: list[int], n: int) -> list[int]:
+    """The owner rank of each matrix: largest cost first onto the least loaded rank (ties: the lower
+    index, the lower rank), so that every rank computes the same assignment."""
+    load, out = [0] * n, [0] * len(costs)
+    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        out[j] = min(range(n), key=lambda r: (load[r], r))
+        load[out[j]] += costs[j]
+    return out
+
+
+def batches(order: list[int], numels: list[int], cap: int) -> list[list[int]]:
+    """`order` cut into consecutive batches of at most `cap` elements (a larger matrix alone)."""
+    out: list[list[int]] = []
+    total = 0
+    for k in order:
+        if out and total + numels[k] <= cap:
+            out[-1].append(k)
+            total += numels[k]
+        else:
+            out.append([k])
+            total = numels[k]
+    return out
+
+
 def newton_schulz_flops(m: int, k: int, method: str = "gram", steps: int = 5) -> int:
     """Matmul FLOPs of DeepSpeed's Newton-Schulz (original_muon.py) on an m x k matrix, transposed so
     that m <= k. standard: per step X X^T (2 m^2 k), A A (2 m^3), B X (2 m^2 k). gram (the default):
@@ -308,10 +335,10 @@ def muon_step(args: ModelArgs, stage: int, world: int, bucket: int, c: int, meth
     """Muon's optimizer step per GPU, `c` the bytes of its communication dtype (the gradients'
     reduction dtype). At ZeRO-3 ours (pretrain/muon.py, replacing DeepSpeed's round robin per
     bucket), checked on 1 and 2 CPU ranks (tests/test_estimate.py): every matrix has one owner
-    (muon.owners: largest Newton-Schulz work first onto the least loaded rank), which receives the
+    (`owners`: largest Newton-Schulz work first onto the least loaded rank), which receives the
     other ranks' partition slices of its gradient and momentum (ceil(numel / n) elements each) by an
     all-to-all, orthogonalises it and sends the slices of the update and the momentum back; matrices
-    taken in batches of up to n x bucket elements (muon.batches):
+    taken in batches of up to n x bucket elements (`batches`):
     - "flops": Newton-Schulz FLOPs of the busiest rank, "flops_total" over all ranks;
     - "comm": bytes the busiest rank sends (as many as it receives): 2 c per slice, one slice per
       matrix it does not own, n - 1 slices back per matrix it owns, about 4 M c (n-1)/n^2 in all;
@@ -320,8 +347,6 @@ def muon_step(args: ModelArgs, stage: int, world: int, bucket: int, c: int, meth
       muon_update, plus the momentum partitions parallelize.muon_at_zero3 copies (M / n); left
       out: muon_update's Newton-Schulz matrices in half precision and the m x m Gram matrices.
     At stage 0 (fp32, no ZeRO) every rank orthogonalises every matrix and sends nothing."""
-    from pretrain.muon import batches, owners
-
     flat = [s for g in muon_matrices(args) for s in g]
     n_muon = sum(m * k for m, k in flat)
     costs = [newton_schulz_flops(m, k, method) for m, k in flat]
@@ -470,8 +495,6 @@ class Assumptions:
 
 def _zero3_gathers(cfg: Config, args: ModelArgs, tp: int = 1) -> dict:
     """zero3_gathered for this config at tensor-parallel size `tp` (comm_bytes's defaults below stage 3)."""
-    from pretrain.parallelize import zero_sizes
-
     if cfg.distributed.zero_stage != 3:
         return {}
     return zero3_gathered(args, zero_sizes(cfg)["param_persistence_threshold"], cfg.distributed.max_reuse_distance, tp)
@@ -884,41 +907,3 @@ def _options_lines(e: dict) -> list[str]:
     for reason, names in reasons.items():
         lines.append(f"(not listed, the config refuses them: {', '.join(names)}: {reason})")
     return lines
-
-
-def estimate_cli(args) -> None:
-    from pretrain.config import load_config
-    from pretrain.metrics import peak_flops_for
-
-    cfg = load_config(args.config, args.overrides)
-    model_args = _model_args(cfg)
-    precision = args.precision or (cfg.train.precision if cfg.train.precision != "auto" else "bf16")
-    peak = args.peak_tflops or (cfg.distributed.peak_flops / 1e12 if cfg.distributed.peak_flops
-                                else peak_flops_for("NVIDIA H100 80GB HBM3", precision) / 1e12)
-    e = estimate(cfg, model_args, Assumptions(args.gpus, args.mfu, peak, args.gbps, precision, args.gpu_memory,
-                                              gpus_per_node=args.gpus_per_node))
-    print(report(e))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(e, f, indent=1)
-
-
-def _model_args(cfg: Config) -> ModelArgs:
-    """The model shape with its vocabulary size: a Hugging Face init_from's config.json, or the config's
-    model with the vocabulary from its tokenizer if it is not set."""
-    from pretrain import hub
-
-    if hub.is_hf_model(cfg.checkpoint.init_from):
-        from pretrain.build import hf_model_args
-
-        return hf_model_args(cfg)
-    if cfg.model.vocab_size:
-        return cfg.model
-    from data_pipeline.errors import DataError
-    from pretrain.build import tokenizer_and_model_args
-
-    try:
-        return tokenizer_and_model_args(cfg)[1]
-    except DataError as e:
-        raise ConfigError(f"{e} (or set model.vocab_size=N to estimate without the tokenizer)") from None
-

@@ -5,7 +5,7 @@ DeepSpeed all-gathers each bucket's gradients and momenta to every rank, shares 
 round robin over the ranks and all-gathers the updates and momenta as n padded slots of each round's
 largest matrix: at its default bucket (D^2) a bucket holds one matrix, so rank 0 orthogonalises
 nearly all of them and each rank moves 2 (n-1) times every matrix. Here every Muon matrix of the
-model has one owner (`owners`: largest Newton-Schulz work first, onto the least loaded rank, the same
+model has one owner (estimate.owners: largest Newton-Schulz work first, onto the least loaded rank, the same
 on every rank); one all-to-all sends each rank's partition slices of the gradient and the momentum to
 the owner, which runs DeepSpeed's own `muon_update` on the full matrix, and a second sends the slices
 of the update and the new momentum back. Per rank each direction moves 2 c / n of a matrix's
@@ -16,38 +16,15 @@ from __future__ import annotations
 
 import torch
 
-
-def owners(costs: list[int], n: int) -> list[int]:
-    """The owner rank of each matrix: largest cost first onto the least loaded rank (ties: the lower
-    index, the lower rank), so that every rank computes the same assignment."""
-    load, out = [0] * n, [0] * len(costs)
-    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
-        out[j] = min(range(n), key=lambda r: (load[r], r))
-        load[out[j]] += costs[j]
-    return out
+from pretrain import distributed
+from pretrain.estimate import batches, newton_schulz_flops, owners  # (the cost model's assignment, run here)
 
 
 def matrix_flops(shape, num_heads=None, method: str = "gram") -> int:
     """Newton-Schulz FLOPs of DeepSpeed's iteration on a matrix (per head with num_heads)."""
-    from pretrain.estimate import newton_schulz_flops
-
     m = shape[0]
     k = torch.Size(shape).numel() // m  # (a conv filter is viewed as 2D, as muon_update does)
     return num_heads * newton_schulz_flops(m // num_heads, k, method) if num_heads else newton_schulz_flops(m, k, method)
-
-
-def batches(order: list[int], numels: list[int], cap: int) -> list[list[int]]:
-    """`order` cut into consecutive batches of at most `cap` elements (a larger matrix alone)."""
-    out: list[list[int]] = []
-    total = 0
-    for k in order:
-        if out and total + numels[k] <= cap:
-            out[-1].append(k)
-            total += numels[k]
-        else:
-            out.append([k])
-            total = numels[k]
-    return out
 
 
 def zero3_step(zero, plan: dict) -> None:
@@ -110,7 +87,7 @@ def _batch(zero, items, owner, n, rank, pg, dtype, muon_update, dist) -> None:
         send[o + parts[k]:o + 2 * parts[k]].copy_(momentum(k))
         o += 2 * parts[k]
     recv = torch.empty(n * width, dtype=dtype, device=send.device)
-    dist.all_to_all_single(recv, send, [width] * n, splits, group=pg)  # (at n = 1 a copy)
+    distributed.all_to_all(recv, send, [width] * n, splits, group=pg)  # (at n = 1 a copy)
     slots = recv.view(n, width)  # row r: rank r's slices of the matrices this rank owns
     o = 0
     for k in mine:
@@ -125,7 +102,7 @@ def _batch(zero, items, owner, n, rank, pg, dtype, muon_update, dist) -> None:
             padded[:numel].copy_(x.reshape(-1))
             slots[:, at:at + pn].copy_(padded.view(n, pn))
         o += 2 * pn
-    dist.all_to_all_single(send, recv, splits, [width] * n, group=pg)
+    distributed.all_to_all(send, recv, splits, [width] * n, group=pg)
     o = 0
     for k in order:  # this rank's slices of the updates and the new momenta
         i, j, p = items[k]

@@ -9,8 +9,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from pretrain import distributed
-from pretrain.config import Config
-from pretrain.model import ulysses
+from pretrain.config import Config, zero_sizes
+from pretrain import ulysses
 from pretrain.model.args import ModelArgs
 from pretrain.model.model import Transformer
 from pretrain.optim import build_optimizer
@@ -24,18 +24,6 @@ def resolve_precision(cfg: Config, device: torch.device) -> str:
     if cfg.train.precision != "auto":
         return cfg.train.precision
     return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-
-
-def zero_sizes(cfg: Config) -> dict:
-    """ZeRO's bucket sizes and persistence threshold in elements: as configured, or derived from the
-    hidden size D by the rule of the Hugging Face DeepSpeed integration's "auto" values: reduce
-    buckets D^2 (a few layers' gradients per reduce), prefetch 0.9 D^2, and parameters below 10 D
-    elements (norms, small biases) kept whole, since gathering them costs more than they save."""
-    d, dim = cfg.distributed, cfg.model.dim
-    return {"reduce_bucket_size": d.reduce_bucket_size or dim * dim,
-            "prefetch_bucket_size": d.prefetch_bucket_size or int(0.9 * dim * dim),
-            "param_persistence_threshold": 10 * dim if d.param_persistence_threshold < 0
-            else d.param_persistence_threshold}
 
 
 def trainer_clips(cfg: Config, precision: str) -> bool:

@@ -68,6 +68,7 @@ from pathlib import Path
 
 import torch
 
+from pretrain.config import HANG_EXIT_S, IO_TIMEOUT_S, REPORT_WAIT_S, STORE_TIMEOUT_S  # (the report's waits)
 from pretrain.errors import NonFiniteStep
 
 log = logging.getLogger(__name__)
@@ -80,11 +81,6 @@ LONG_PHASES = ("start", "eval", "save", "branch")
 WAITING = "collective"  # a rank in this phase waits for the others
 POLL_S = 0.02  # the sampling interval (the timeout is checked at the same time)
 LISTEN_S = 24 * 3600.0  # a listener's blocking wait for the next report's call is renewed after this
-REPORT_WAIT_S = 10.0  # the most the asking watchdog waits for every rank's answer
-IO_TIMEOUT_S = 5.0  # a report's file I/O (stacks, the exit record) is abandoned after this
-STORE_TIMEOUT_S = 5.0  # an operation on the rendezvous store that takes longer fails
-# From a watchdog firing to every rank's exit, at most: the answers, then the verdict's I/O.
-HANG_EXIT_S = REPORT_WAIT_S + 2 * IO_TIMEOUT_S + STORE_TIMEOUT_S
 EXIT_FILE = "PRETRAIN_EXIT_FILE"  # set by slurm/pretrain.sbatch: where a start records how it ended
 STRAGGLER_STREAK = 3  # log steps in a row with the same rank over resilience.straggler_warn before the warning
 

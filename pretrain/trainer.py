@@ -21,7 +21,7 @@ import data_pipeline as dp
 from pretrain import distributed, faults
 from pretrain.errors import NonFiniteStep
 from pretrain.metrics import MetricLogger, memory_stats, peak_flops
-from pretrain.model import ulysses
+from pretrain import ulysses
 from pretrain.optim import set_lr
 from pretrain.parallelize import grad_norm, tensor_parallel_dim, trainer_clips
 from pretrain.resilience import Rollbacks, Spikes

@@ -282,7 +282,7 @@ MUTANTS = [
            "tests/test_scaling.py::test_isoflop_fit_recovers_the_optimal_exponents",
            "tests/test_scaling.py::test_parametric_fit_recovers_a_known_law"),
     # -- sequence parallelism and document masking (#31)
-    mutant("sp-local-attention", "pretrain/model/ulysses.py",
+    mutant("sp-local-attention", "pretrain/ulysses.py",
            "    return exchange(q, k, v, 0, None, mask)", "    return local(q, k, v, mask)",
            "each rank attends only over its own slice of the sequence (no all-to-all)",
            "tests/test_sequence_parallel.py::test_a_sequence_parallel_group_computes_what_one_process_does[2-2]"),
@@ -331,7 +331,7 @@ MUTANTS = [
            "under muP/CompleteP Muon takes sp's rate, 0.2 sqrt(fan_in), which grows with width",
            "tests/test_muon.py::test_muon_rates_under_mup_follow_the_spectral_condition",
            "tests/test_mup.py::test_coordinate_check_with_muon_across_width"),
-    mutant("muon-one-owner", "pretrain/muon.py",
+    mutant("muon-one-owner", "pretrain/estimate.py",
            "        out[j] = min(range(n), key=lambda r: (load[r], r))", "        out[j] = 0",
            "rank 0 orthogonalises every matrix (DeepSpeed's per-bucket round robin at its default bucket)",
            "tests/test_muon.py::test_muon_step_spreads_newton_schulz_and_sends_its_share"),

@@ -15,18 +15,21 @@ COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor"
                "monitored_barrier", "send", "recv", "isend", "irecv"}
 
 
+COMM = ("torch.distributed", "deepspeed.comm")  # (DeepSpeed's wraps torch's: a call through it is one too)
+
+
 def _direct_collectives(path: Path) -> list[str]:
-    """Calls of torch.distributed collectives in a file: `dist.X(...)` where dist is an alias of
-    torch.distributed, `torch.distributed.X(...)`, or X imported from torch.distributed."""
+    """Calls of torch.distributed or deepspeed.comm collectives in a file: `dist.X(...)` where dist is
+    an alias of either, `torch.distributed.X(...)`, or X imported from either."""
     tree = ast.parse(path.read_text())
     aliases, names = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            aliases |= {a.asname or a.name for a in node.names if a.name == "torch.distributed"}
-        elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+            aliases |= {a.asname or a.name for a in node.names if a.name in COMM}
+        elif isinstance(node, ast.ImportFrom) and node.module in COMM:
             names |= {a.asname or a.name for a in node.names if a.name in COLLECTIVES}
-        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
-            aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+        elif isinstance(node, ast.ImportFrom) and node.module in ("torch", "deepspeed"):
+            aliases |= {a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in COMM}
     found = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
@@ -36,7 +39,7 @@ def _direct_collectives(path: Path) -> list[str]:
             found.append(f"{path.name}:{node.lineno} {f.id}")
         elif isinstance(f, ast.Attribute) and f.attr in COLLECTIVES:
             owner = ast.unparse(f.value)
-            if owner in aliases or owner == "torch.distributed":
+            if owner in aliases or owner in COMM:
                 found.append(f"{path.name}:{node.lineno} {owner}.{f.attr}")
     return found
 
@@ -52,10 +55,11 @@ def test_no_module_but_distributed_calls_a_collective():
 def test_the_scan_sees_every_spelling(tmp_path):
     sample = tmp_path / "sample.py"
     sample.write_text("import torch.distributed as dist\nimport torch\nfrom torch.distributed import broadcast\n"
-                      "from torch import distributed as d2\n"
+                      "from torch import distributed as d2\nimport deepspeed.comm as dcomm\n"
+                      "from deepspeed.comm import all_to_all_single\n"
                       "dist.all_reduce(x)\ntorch.distributed.barrier()\nbroadcast(t, 0)\nd2.all_gather_object(o, x)\n"
-                      "dist.get_rank()\n")
-    assert len(_direct_collectives(sample)) == 4
+                      "dcomm.all_gather(o, x)\nall_to_all_single(o, x)\ndist.get_rank()\n")
+    assert len(_direct_collectives(sample)) == 6
 
 
 def test_device_all_reduce_refuses_host_tensors_on_gpu_runs(monkeypatch):

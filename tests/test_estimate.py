@@ -12,14 +12,14 @@ import torch
 
 from helpers import REPO, TINY, free_port, train_env
 from pretrain.cli import main
-from pretrain.config import load_config
+from pretrain.config import load_config, zero_sizes
 from pretrain.estimate import (Assumptions, activation_bytes, allreduced_params, block_matrices, comm_bytes,
                                comm_volume, estimate, fit_hint, largest_layer_params, model_state_bytes, muon_matrices,
                                muon_step, newton_schulz_flops, report, sequence_exchange_bytes, tensor_parallel_bytes,
                                tensor_parallel_params, zero3_gathered, zero_traffic)
 from pretrain.model.args import PRESETS, ModelArgs
 from pretrain.model.model import Transformer, num_params
-from pretrain.parallelize import apply_activation_checkpointing, zero_sizes
+from pretrain.parallelize import apply_activation_checkpointing
 
 
 def saved_by_autograd(model, tokens, labels, chunk, mlp_chunk=0) -> int:
@@ -348,10 +348,10 @@ import torch
 import deepspeed.comm as dcomm
 from pretrain import distributed
 env = distributed.init("gloo")
-from pretrain.config import load_config
+from pretrain.config import load_config, zero_sizes
 from pretrain.estimate import allreduced_params, largest_layer_params, model_state_bytes, muon_step
 from pretrain.model.model import num_params
-from pretrain.parallelize import build_engine, build_model, deepspeed_config, zero_sizes
+from pretrain.parallelize import build_engine, build_model, deepspeed_config
 
 stage, grad_dtype, optimizer = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 n = env.world_size
@@ -368,7 +368,7 @@ engine = build_engine(build_model(cfg.model, cfg, ds, seed=0), cfg, ds, env.devi
 counted_bytes, phase, during, a2a = {}, ["backward"], [0], [0]
 
 
-def counted(name, nbytes):
+def counted(name, nbytes, module=dcomm, attr=None):
     def call(*args, **kwargs):
         key = (phase[0], name)
         counted_bytes[key] = counted_bytes.get(key, 0) + nbytes(*args)
@@ -377,8 +377,8 @@ def counted(name, nbytes):
             if a2a[0] == 2:  # Muon's first all-to-all back (a w1's, the largest matrix, owned by rank 0)
                 during[0] = tensor_bytes()
         return original(*args, **kwargs)
-    original = getattr(dcomm, name)
-    setattr(dcomm, name, call)
+    original = getattr(module, attr or name)
+    setattr(module, attr or name, call)
 
 
 size = lambda t: t.numel() * t.element_size()
@@ -387,7 +387,7 @@ counted("reduce_scatter_fn", lambda out, inp, *a: size(inp))
 counted("all_gather_into_tensor", lambda out, inp, *a: size(out))
 counted("all_gather", lambda outs, inp, *a: sum(size(o) for o in outs))
 counted("all_to_all_single", lambda out, inp, outs, ins, group=None, *a: (sum(ins) - ins[dcomm.get_rank(group)])
-        * inp.element_size())  # (sent to the other ranks)
+        * inp.element_size(), module=distributed, attr="all_to_all")  # (Muon's, sent to the other ranks)
 
 
 def tensor_bytes():

@@ -192,10 +192,10 @@ import torch
 from deepspeed.runtime.zero.muon import original_muon
 from pretrain import distributed
 env = distributed.init("gloo")
-from pretrain.config import load_config
+from pretrain.config import load_config, zero_sizes
 from pretrain.estimate import muon_step
 from pretrain.muon import matrix_flops
-from pretrain.parallelize import build_engine, build_model, deepspeed_config, zero_sizes
+from pretrain.parallelize import build_engine, build_model, deepspeed_config
 
 cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
@@ -205,7 +205,7 @@ cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [
 ds = deepspeed_config(cfg, env.world_size, "fp32")
 engine = build_engine(build_model(cfg.model, cfg, ds, seed=0), cfg, ds, env.device)
 shapes, sent, gathers = [], [0], [0]
-update, a2a, gather = original_muon.muon_update, dcomm.all_to_all_single, dcomm.all_gather
+update, a2a, gather = original_muon.muon_update, distributed.all_to_all, dcomm.all_gather
 
 
 def counted_update(grad, *args, **kwargs):
@@ -213,10 +213,10 @@ def counted_update(grad, *args, **kwargs):
     return update(grad, *args, **kwargs)
 
 
-def counted_a2a(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
+def counted_a2a(output, tensor, output_split_sizes, input_split_sizes, group=None):
     me = dcomm.get_rank(group)  # what this rank sends to the others
     sent[0] += (sum(input_split_sizes) - input_split_sizes[me]) * tensor.element_size()
-    return a2a(output, tensor, output_split_sizes, input_split_sizes, group=group, **kwargs)
+    return a2a(output, tensor, output_split_sizes, input_split_sizes, group=group)
 
 
 def counted_gather(*args, **kwargs):  # DeepSpeed's own Muon step all-gathers; ours should not run it
@@ -224,7 +224,7 @@ def counted_gather(*args, **kwargs):  # DeepSpeed's own Muon step all-gathers; o
     return gather(*args, **kwargs)
 
 
-original_muon.muon_update, dcomm.all_to_all_single, dcomm.all_gather = counted_update, counted_a2a, counted_gather
+original_muon.muon_update, distributed.all_to_all, dcomm.all_gather = counted_update, counted_a2a, counted_gather
 tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(env.rank))
 for _ in range(2):
     engine.backward(engine(tokens[:, :-1], labels=tokens[:, 1:]))

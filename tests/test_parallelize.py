@@ -83,7 +83,7 @@ def test_warmup_then_cosine_to_the_floor():
 
 
 def test_zero_sizes_follow_the_hidden_size_unless_set():
-    from pretrain.parallelize import zero_sizes
+    from pretrain.config import zero_sizes
 
     cfg = load_config(None, ["model.dim=4096", "model.n_heads=32"])
     ds = deepspeed_config(cfg, world_size=8, precision="bf16")["zero_optimization"]

@@ -77,7 +77,7 @@ _EXACT = r"""
 import copy, json, sys, torch, torch.distributed as dist, torch.nn.functional as F
 import data_pipeline as dp
 from pretrain import distributed
-from pretrain.model import ulysses
+from pretrain import ulysses
 from pretrain.model.args import ModelArgs
 from pretrain.model.model import Transformer
 

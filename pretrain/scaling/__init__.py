@@ -15,20 +15,10 @@ import logging
 log = logging.getLogger(__name__)
 
 
-def _floats(text: str, flag: str = "--budgets") -> list[float]:
-    from pretrain.errors import ConfigError
-
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        example = "FLOP counts, e.g. 1e15,3e15,1e16" if flag == "--budgets" else "numbers, e.g. 1e-3,2e-3,4e-3"
-        raise ConfigError(f"{flag} {text!r}: give comma-separated {example}") from None
-
-
 def plan_cli(args) -> None:
-    from pretrain.scaling.plan import plan, table
+    from pretrain.scaling.plan import floats, plan, table
 
-    rows = plan(args.config, args.overrides, _floats(args.budgets), args.out, sizes=args.sizes, span=args.span,
+    rows = plan(args.config, args.overrides, floats(args.budgets), args.out, sizes=args.sizes, span=args.span,
                 schedule=args.schedule, lr=args.lr, name=args.name, replace=args.replace,
                 parametrization=args.parametrization)
     print(table(rows))

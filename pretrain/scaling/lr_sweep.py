@@ -28,7 +28,7 @@ def plan_lr_sweep(config: str, overrides: list[str], lrs: list[float], out: str,
                   replace: bool = False) -> list[dict]:
     import yaml
 
-    from pretrain.estimate import _model_args
+    from pretrain.build import model_args
     from pretrain.model.model import flops_per_token, matmul_params
 
     if len(lrs) < 3 or any(not (math.isfinite(x) and x > 0) for x in lrs) or len(set(lrs)) != len(lrs):
@@ -37,7 +37,7 @@ def plan_lr_sweep(config: str, overrides: list[str], lrs: list[float], out: str,
     if not base.data.validation:
         raise ConfigError("the config has no data.validation: the rates are compared by eval loss on held-out "
                           "data; name a validation source (data.validation)")
-    args = _model_args(base)
+    args = model_args(base)
     lrs = sorted(lrs)
     out_dir = Path(out).resolve()
     sweep = name or out_dir.name
@@ -89,10 +89,10 @@ def report(sweep_dir: str) -> dict:
 
 
 def lr_sweep_cli(args) -> None:
-    from pretrain.scaling import _floats
+    from pretrain.scaling.plan import floats
     from pretrain.scaling.run import run_sweep
 
-    lrs = _floats(args.lrs, "--lrs")
+    lrs = floats(args.lrs, "--lrs")
     rows = plan_lr_sweep(args.config, args.overrides, lrs, args.out, name=args.name, replace=args.replace)
     print(f"{len(rows)} runs of {rows[0]['steps']} steps ({rows[0]['tokens']:,} tokens) in {args.out}")
     if args.plan_only:

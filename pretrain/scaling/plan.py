@@ -69,6 +69,15 @@ INCIDENTAL = ("train.run_dir", "train.micro_batch_size", "train.overwrite", "tra
               "checkpoint.", "logging.", "distributed.")
 
 
+def floats(text: str, flag: str = "--budgets") -> list[float]:
+    """A command-line list of numbers ("1e15,3e15"); one line naming `flag` if it is not one."""
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        example = "FLOP counts, e.g. 1e15,3e15,1e16" if flag == "--budgets" else "numbers, e.g. 1e-3,2e-3,4e-3"
+        raise ConfigError(f"{flag} {text!r}: give comma-separated {example}") from None
+
+
 def grown(base: ModelArgs, n_layers: int, groups: int) -> ModelArgs:
     """The member of base's family of depth n_layers and width `groups` GQA groups of heads: base's
     head_dim and query heads per KV head, the SwiGLU width derived from dim."""
@@ -150,9 +159,9 @@ def plan(config: str, overrides: list[str], budgets: list[float], out: str, size
     if not base.data.validation:
         raise ConfigError("the base config has no data.validation: a sweep's points are eval losses on held-out "
                           "data; name a validation source (data.validation)")
-    from pretrain.estimate import _model_args  # the shape with its vocabulary (from the tokenizer)
+    from pretrain.build import model_args  # the shape with its vocabulary (from the tokenizer)
 
-    family = Family(_model_args(base), base.data.seq_len)
+    family = Family(model_args(base), base.data.seq_len)
     tokens_per_step = base.global_batch(1) * base.data.seq_len
     out_dir = Path(out).resolve()
     sweep = name or out_dir.name

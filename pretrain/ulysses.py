@@ -18,16 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 
 import torch
 
+from pretrain.estimate import kv_replication
 from pretrain.model.model import Attention, Transformer
-
-
-def kv_replication(n_kv_heads: int, size: int) -> int:
-    """How many times each KV head is repeated before the exchange over `size` ranks."""
-    return size // math.gcd(n_kv_heads, size)
 
 
 def apply(model: Transformer, group, size: int) -> None:
