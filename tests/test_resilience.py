@@ -132,6 +132,7 @@ def test_a_crashed_rank_resumes_exactly(tmp_path, straight):
     _resume_equals(tmp_path, straight)
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_a_slow_rank_is_found(tmp_path, straight):
     """Rank 1 sleeps 0.8 s in every step: its step times look like everyone's (the all-reduce waits
@@ -154,6 +155,7 @@ def test_a_slow_rank_is_found(tmp_path, straight):
     assert {r["perf/slowest_rank"] for r in read_metrics(straight) if "perf/slowest_rank" in r} <= {0, 1}
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [3, 0])
 def test_a_slow_device_is_found_by_its_compute_time(tmp_path, stage):
@@ -361,6 +363,7 @@ print("no verdict", flush=True)
 """
 
 
+@pytest.mark.exclusive
 def test_a_rank_that_makes_progress_is_waited_for_and_named_once_it_stops(tmp_path):
     """A report finds rank 1 making progress (a slow evaluation, say) while rank 0 waits for it: no
     hang, the run goes on, rank 0 waits a timeout more, and asks again. Once rank 1 stops, the next
@@ -534,14 +537,15 @@ def test_sigusr1_during_startup_requeues_the_job(tmp_path, when):
 @pytest.mark.slow
 def test_long_phases_that_make_progress_are_not_hangs(tmp_path):
     """hang_timeout_s=4 with phases longer than that which make progress, on 2 ranks on the user's
-    path (bf16, ZeRO-3, activation checkpointing): 16000 batches of data skipped before step 3, and
-    the final evaluation: 400 batches and 8000 task instances (each several seconds). Each
-    marks progress as it goes; one that did not would be killed as a hang (exit 4)."""
+    path (bf16, ZeRO-3, activation checkpointing): 6000 batches of data skipped before step 3, and
+    the final evaluation: 200 batches and 2000 task instances (each several seconds: 2000 instances
+    took 38 s on a loaded 2-core machine, 8000 took 152 s). Each marks progress as it goes; one that
+    did not would be killed as a hang (exit 4)."""
     tasks = tmp_path / "mine.jsonl"
     tasks.write_text("".join(json.dumps({"context": f"Call number {i} returns", "continuation": " a value"}) + "\n"
-                             for i in range(8000)))
-    run_train(BASE + USER_PATH + ["train.max_steps=4", "resilience.hang_timeout_s=4", "train.eval_batches=400",
-                                  "resilience.skip_batches=[[3,16000]]", f"train.eval_tasks=[{tasks}]",
+                             for i in range(2000)))
+    run_train(BASE + USER_PATH + ["train.max_steps=4", "resilience.hang_timeout_s=4", "train.eval_batches=200",
+                                  "resilience.skip_batches=[[3,6000]]", f"train.eval_tasks=[{tasks}]",
                                   "train.eval_task_limit=0", f"train.run_dir={tmp_path / 'run'}"], nproc=2)
     [final] = [r for r in read_metrics(tmp_path / "run") if "eval/loss" in r]
     assert final["step"] == 4 and final["eval/tasks_s"] > 4
@@ -620,6 +624,7 @@ def test_a_decay_branch_after_a_resume_at_another_world_size(tmp_path):
     assert max(losses(tmp_path)) == 14
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_a_rollback_after_a_resume_at_another_world_size_is_not_a_hang(tmp_path):
     """Resumed on 1 rank from a 2-rank checkpoint (step 7), spikes at 8, 9 and 10 roll back to it:

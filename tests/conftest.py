@@ -1,0 +1,70 @@
+"""The suite on several pytest-xdist workers (`-n 2 --dist loadgroup`, docs/testing.md).
+
+Each module is one group, run by one worker, so its module-scoped fixtures (a trained run that
+several tests read) are built once; tests/slurm is one group, since its modules share one Slurm
+cluster. Groups go out longest first. A test marked `exclusive` times the run it starts (a hang
+timeout, a straggler's ratio): it runs while no other worker runs a test; the others hold a shared
+lock for each of theirs. Without xdist nothing here changes the run."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One thread of math libraries per worker (set before numpy or torch load them): N workers on N
+    # cores, not N x N threads; small problems (a scaling fit's descents) ran 4x slower oversubscribed.
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+TMP = Path(tempfile.gettempdir())  # (before pytest_configure gives each worker its own)
+
+
+def _group(item) -> str:
+    path = Path(str(item.fspath)).resolve()
+    return "slurm" if TESTS / "slurm" in path.parents else str(path.relative_to(TESTS))
+
+
+@pytest.hookimpl(tryfirst=True)  # (before xdist names each test's group in its id)
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):
+        return
+    weight: dict[str, int] = {}
+    for item in items:
+        group = _group(item)
+        item.add_marker(pytest.mark.xdist_group(group))
+        weight[group] = weight.get(group, 0) + (10 if item.get_closest_marker("slow") else 1)
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(_group(item), i)
+    items.sort(key=lambda item: (-weight[_group(item)], first[_group(item)]))  # (stable: a module keeps its order)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    workerinput = getattr(item.config, "workerinput", None)
+    if workerinput is None:
+        yield
+        return
+    path = TMP / f"pytest-exclusive-{workerinput['testrunuid']}.lock"
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if item.get_closest_marker("exclusive") else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def pytest_configure(config):
+    # Each worker's own temporary directory: the inductor cache (per rank under it) and other temp
+    # files of the processes the tests start are not shared between two runs at once.
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        tmp = TMP / f"pytest-{worker}-{os.getpid()}"
+        tmp.mkdir(exist_ok=True)
+        os.environ["TMPDIR"] = str(tmp)
+        tempfile.tempdir = None
