@@ -332,10 +332,13 @@ def own_compile_cache(local_rank: int) -> None:
     compile the same graphs at the same moment: a rank that loads a compiled kernel another rank is
     still writing can crash (CI: a SIGSEGV in one of two ranks during the first compiled backward;
     pytorch#92664, #153791 report such races). Per rank, later runs still reuse the cache."""
-    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
-        return
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    # (torch writes its default there on first use, and a launcher that imported it passes that on:
+    # the ranks of `python -m pytest` shared one cache so, and one of them crashed in a cold compile)
+    if named and os.path.normpath(named) != os.path.normpath(default_cache_dir()):
+        return
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(), f"rank{local_rank}")
 
 

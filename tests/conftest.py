@@ -2,7 +2,7 @@
 
 Each module is one group, run by one worker, so its module-scoped fixtures (a trained run that
 several tests read) are built once; tests/slurm is one group, since its modules share one Slurm
-cluster. Groups go out longest first. A test marked `exclusive` times the run it starts (a hang
+cluster. A test marked `exclusive` times the run it starts (a hang
 timeout, a straggler's ratio): it runs while no other worker runs a test; the others hold a shared
 lock for each of theirs. Without xdist nothing here changes the run."""
 
@@ -31,17 +31,9 @@ def _group(item) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # (before xdist names each test's group in its id)
 def pytest_collection_modifyitems(config, items):
-    if not hasattr(config, "workerinput"):
-        return
-    weight: dict[str, int] = {}
-    for item in items:
-        group = _group(item)
-        item.add_marker(pytest.mark.xdist_group(group))
-        weight[group] = weight.get(group, 0) + (10 if item.get_closest_marker("slow") else 1)
-    first = {}
-    for i, item in enumerate(items):
-        first.setdefault(_group(item), i)
-    items.sort(key=lambda item: (-weight[_group(item)], first[_group(item)]))  # (stable: a module keeps its order)
+    if hasattr(config, "workerinput"):
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -64,7 +56,7 @@ def pytest_configure(config):
     # files of the processes the tests start are not shared between two runs at once.
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
-        tmp = TMP / f"pytest-{worker}-{os.getpid()}"
+        tmp = TMP / f"pytest-{worker}"
         tmp.mkdir(exist_ok=True)
         os.environ["TMPDIR"] = str(tmp)
         tempfile.tempdir = None

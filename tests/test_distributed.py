@@ -126,3 +126,21 @@ def test_the_deepspeed_launcher_on_two_nodes(tmp_path):
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
     lines = sorted(line for out, _ in outs for line in out.splitlines() if line.startswith("NODE "))
     assert lines == ["NODE rank=0 world=2 local_size=1", "NODE rank=1 world=2 local_size=1"]
+
+
+def test_each_rank_compiles_into_its_own_cache_unless_one_is_named(monkeypatch):
+    """torch writes its default inductor cache dir into the environment on first use, and a process
+    that imported it (pytest, a sweep runner) passes that on to the ranks it starts: that default is
+    not a user's choice and still gets a directory per rank (ranks sharing one crashed in a cold
+    compile). A directory the user named is kept."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    distributed.own_compile_cache(1)
+    assert distributed.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(Path(default_cache_dir()) / "rank1")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/mine")
+    distributed.own_compile_cache(1)
+    assert distributed.os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/mine"
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    distributed.own_compile_cache(0)
+    assert distributed.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(Path(default_cache_dir()) / "rank0")

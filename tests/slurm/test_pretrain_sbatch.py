@@ -81,6 +81,7 @@ def plain_job(slurm_cluster, tmp_path_factory):
     return SimpleNamespace(result=r, run_dir=run_dir)
 
 
+@pytest.mark.exclusive  # (its step time sets the requeue job's length below)
 def test_two_nodes_train_one_model(plain_job):
     r, run_dir = plain_job.result, plain_job.run_dir
     assert r.returncode == 0, tail(r.output)
@@ -110,17 +111,18 @@ def test_two_nodes_train_one_model(plain_job):
 
 # Slurm keeps time limits in whole minutes (--time=00:01:30 means 2:00) and checks them every 30 s,
 # sending --signal=USR1@N at the first check less than N + 30 s before the end: with --time=1 and
-# @10, 20-50 s into the run (measured). 20 s leaves the trainer time to install its handler
-# (~10 s in; before that the signal would be ignored).
-TIME_LIMIT = ["--time=1", "--signal=USR1@10"]
+# @10, 20-50 s into the run (measured); with --time=2 and @40, 50-80 s. The job must be training by
+# then (a signal during start-up requeues it with nothing saved): a loaded 2-core machine took over
+# 20 s to start both nodes' ranks.
+TIME_LIMIT = ["--time=2", "--signal=USR1@40"]
 # Training seconds the first run is given, at the plain job's step time: it must outlast the
-# signal (at most ~36 s of training) even if the machine gets faster meanwhile.
-FIRST_RUN_SECONDS = 60
+# signal (at most ~70 s of training) even if the machine gets faster meanwhile.
+FIRST_RUN_SECONDS = 100
 
 
 @pytest.fixture(scope="module")
 def requeued(slurm_cluster, plain_job, tmp_path_factory):
-    """A job with a 1-minute limit, run once; the requeue tests below read what it left."""
+    """A job with a 2-minute limit, run once; the requeue tests below read what it left."""
     times = [r["perf/step_time_s"] for r in read_metrics(plain_job.run_dir)
              if "perf/step_time_s" in r and r["step"] > 2]
     if not times:
@@ -132,10 +134,10 @@ def requeued(slurm_cluster, plain_job, tmp_path_factory):
     job = slurm_cluster.start(SCRIPT, [CONFIG, *FAST, f"train.max_steps={max_steps}", f"schedule.decay_steps={max_steps}",
                                        "logging.wandb=offline", f"train.run_dir={run_dir}"],
                               env=CPU_ENV, sbatch_opts=[*CPU_JOB, *TIME_LIMIT])
-    job.wait_for(lambda: job.info().get("Restarts") == "1", 150,
+    job.wait_for(lambda: job.info().get("Restarts") == "1", 200,
                  f"requeue (did all {max_steps} steps finish before the signal? then raise FIRST_RUN_SECONDS)")
     requeued_after = time.monotonic() - start
-    # The rerun gets the same 1-minute limit, so it would be signalled and requeued again before
+    # The rerun gets the same 2-minute limit, so it would be signalled and requeued again before
     # it could finish; give it room, so that the job has exactly one requeue.
     deadline = time.monotonic() + 10
     while slurm_cluster.run("scontrol", "update", f"JobId={job.job_id}", "TimeLimit=10",
@@ -148,6 +150,7 @@ def requeued(slurm_cluster, plain_job, tmp_path_factory):
     return SimpleNamespace(result=result, run_dir=run_dir, max_steps=max_steps)
 
 
+@pytest.mark.exclusive  # (its training must outlast the signal at the plain job's step time)
 def test_time_limit_signal_checkpoints_requeues_and_resumes(requeued, tmp_path):
     r, run_dir, max_steps = requeued.result, requeued.run_dir, requeued.max_steps
     out = r.output
