@@ -2,9 +2,9 @@
 
 Each module is one group, run by one worker, so its module-scoped fixtures (a trained run that
 several tests read) are built once; tests/slurm is one group, since its modules share one Slurm
-cluster. A test marked `exclusive` times the run it starts (a hang
-timeout, a straggler's ratio): it runs while no other worker runs a test; the others hold a shared
-lock for each of theirs. Without xdist nothing here changes the run."""
+cluster. A test marked `exclusive` times the run it starts (a hang timeout, a straggler's ratio):
+it runs while no other worker runs a test; the others hold a shared lock for each of theirs. Each
+worker gets one thread of math libraries and its own TMPDIR. Without xdist nothing here applies."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_configure(config):
-    # Each worker's own temporary directory: the inductor cache (per rank under it) and other temp
-    # files of the processes the tests start are not shared between two runs at once.
+    # Each worker's own temporary directory: the inductor caches (one per rank under it) and other
+    # temporary files of the runs two workers start at once are not shared.
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
         tmp = TMP / f"pytest-{worker}"

@@ -538,9 +538,9 @@ def test_sigusr1_during_startup_requeues_the_job(tmp_path, when):
 def test_long_phases_that_make_progress_are_not_hangs(tmp_path):
     """hang_timeout_s=4 with phases longer than that which make progress, on 2 ranks on the user's
     path (bf16, ZeRO-3, activation checkpointing): 6000 batches of data skipped before step 3, and
-    the final evaluation: 200 batches and 2000 task instances (each several seconds: 2000 instances
-    took 38 s on a loaded 2-core machine, 8000 took 152 s). Each marks progress as it goes; one that
-    did not would be killed as a hang (exit 4)."""
+    the final evaluation: 200 batches and 2000 task instances (each several seconds: 8000 instances
+    took 152 s on a loaded 2-core machine). Each marks progress as it goes; one that did not would
+    be killed as a hang (exit 4)."""
     tasks = tmp_path / "mine.jsonl"
     tasks.write_text("".join(json.dumps({"context": f"Call number {i} returns", "continuation": " a value"}) + "\n"
                              for i in range(2000)))
