@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -48,26 +49,135 @@ def train_env(extra: dict | None = None) -> dict:
 def run_train(overrides: list[str], nproc: int = 1, config: Path = TINY, launcher: str = "torchrun",
               timeout: int = 300, env: dict | None = None, check: bool = True,
               cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """`pretrain train` in fresh processes (1 = plain python; n = torchrun/accelerate with n CPU ranks)."""
-    args = ["train", str(config), "logging.progress=false", *overrides]
-    if nproc == 1 and launcher == "torchrun":
-        cmd = [sys.executable, "-m", "pretrain", *args]
-    elif launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), "-m", "pretrain", *args]
-    elif launcher == "accelerate":
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(REPO / "launch" / "accelerate_cpu_2proc.yaml"), "--num_processes", str(nproc),
-               "--main_process_port", str(free_port()), "-m", "pretrain", *args]
-    elif launcher == "deepspeed":
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port",
-               str(free_port()), "--module", "pretrain", *args]
+    """`pretrain train` in new processes (1 = plain python; n = torchrun/accelerate/deepspeed with n
+    CPU ranks; forked from the zygote where `launch` may)."""
+    return pretrain(["train", str(config), "logging.progress=false", *overrides], nproc=nproc, launcher=launcher,
+                    timeout=timeout, env=env, check=check, cwd=cwd)
+
+
+def pretrain(args: list[str], nproc: int = 1, launcher: str = "torchrun", timeout: int = 300,
+             env: dict | None = None, check: bool = True, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`python -m pretrain ARGS` in new processes: forked from the zygote (tests/zygote.py) when it
+    can stand for the launcher (`python` or torchrun on the success path: a run expected to fail
+    under torchrun gets torchrun's own exit code and teardown), else started fresh."""
+    env = train_env(env)
+    if launcher == "torchrun" and (nproc == 1 or check) and _zygote_can_fork(env):
+        proc = _forked(args, nproc, env, cwd, timeout)
     else:
-        raise ValueError(launcher)
-    proc = subprocess.run(cmd, cwd=cwd, env=train_env(env), capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(_command(args, nproc, launcher), cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def _command(args: list[str], nproc: int, launcher: str) -> list[str]:
+    if nproc == 1 and launcher == "torchrun":
+        return [sys.executable, "-m", "pretrain", *args]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_port", str(free_port()), "-m", "pretrain", *args]
+    if launcher == "accelerate":
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                str(REPO / "launch" / "accelerate_cpu_2proc.yaml"), "--num_processes", str(nproc),
+                "--main_process_port", str(free_port()), "-m", "pretrain", *args]
+    if launcher == "deepspeed":
+        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port",
+                str(free_port()), "--module", "pretrain", *args]
+    raise ValueError(launcher)
+
+
+class Forked:
+    """A process the zygote forked, with the part of subprocess.Popen the tests use."""
+
+    def __init__(self, argv: list[str], env: dict, cwd: Path, stdout: int, stderr: int):
+        from zygote import socket_path
+
+        self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.conn.connect(socket_path())
+        request = json.dumps({"argv": argv, "env": env, "cwd": str(cwd)}).encode() + b"\n"
+        socket.send_fds(self.conn, [request], [stdout, stderr])
+        self.buffer = b""
+        self.returncode = None
+        self.pid = self._message(None)["pid"]
+
+    def _message(self, timeout):
+        self.conn.settimeout(timeout)
+        while b"\n" not in self.buffer:
+            chunk = self.conn.recv(4096)
+            if not chunk:
+                raise RuntimeError("the zygote closed the connection")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            try:
+                self.returncode = self._message(timeout)["code"]
+            except socket.timeout:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout) from None
+            self.conn.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0.001)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _zygote_can_fork(env: dict) -> bool:
+    from zygote import signature, started_with
+
+    if os.environ.get("PRETRAIN_TEST_FRESH"):
+        return False
+    return signature(env) == signature(started_with(train_env()))
+
+
+def _forked(args: list[str], nproc: int, env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """ARGS on nproc forked ranks (torchrun's variables; a rank that fails takes the others down
+    after 10 s, as torchrun does at once), their stdout and stderr each in one file."""
+    import time
+
+    port = free_port()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        procs = []
+        for rank in range(nproc):
+            rank_env = dict(env)
+            if nproc > 1:
+                rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", ROLE_RANK=str(rank),
+                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
+                                TORCHELASTIC_MAX_RESTARTS="0")
+            procs.append(Forked(args, rank_env, cwd, out.fileno(), err.fileno()))
+        deadline, failed_at = time.monotonic() + timeout, None
+        try:
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(["pretrain", *args], timeout)
+                if failed_at is None and any(p.returncode for p in procs):
+                    failed_at = time.monotonic()
+                if failed_at is not None and time.monotonic() > failed_at + 10:
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        code = next((p.returncode for p in procs if p.returncode), 0)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(["pretrain", *args], code, out.read().decode(errors="replace"),
+                                           err.read().decode(errors="replace"))
 
 
 def run_train_on_nodes(overrides: list[str], nodes: int = 2, per_node: int = 2, timeout: int = 300) -> None:

@@ -4,13 +4,12 @@ shows the loss past S fall, the same at 1 and 2 ranks; only the RoPE settings an
 change; the extended checkpoints export to transformers with our logits."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import REPO, free_port, run_train, train_env
+import helpers
+from helpers import REPO, free_port, run_train
 
 S = 32  # the context of the base run; extended to 4 S
 COMMON = ["logging.wandb=disabled", "train.eval_every=0", "schedule.warmup_steps=10"]
@@ -25,15 +24,7 @@ LLAMA3 = ["model.rope_scaling_factor=4", f"model.rope_original_max_seq_len={S}",
 
 
 def pretrain(*args, nproc=1, check=True):
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "pretrain", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(free_port()), "-m", "pretrain", *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
+    return helpers.pretrain(list(args), nproc=nproc, check=check)
 
 
 def by_position(tmp_path, model, *args, nproc=1) -> dict:

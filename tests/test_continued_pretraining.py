@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import helpers
 from helpers import REPO, free_port, read_metrics, run_train, train_env
 
 pytestmark = pytest.mark.slow
@@ -51,15 +52,7 @@ def hf_weights(path: Path) -> dict:
 
 
 def pretrain_cmd(*args, nproc=1, timeout=300, check=True):
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "pretrain", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(free_port()), "-m", "pretrain", *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
+    return helpers.pretrain(list(args), nproc=nproc, timeout=timeout, check=check)
 
 
 def one_error_line(proc) -> str:

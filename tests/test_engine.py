@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, free_port, train_env
+from helpers import REPO, free_port, pretrain, train_env
 
 pytestmark = pytest.mark.slow
 
@@ -118,7 +118,6 @@ def test_fp16_loss_scale_skips_are_counted_not_failures(tmp_path):
     assert last["train/skipped_steps"] == 0
     assert 1 <= last["train/loss_scale_skips"] < 8 and 0 < last["train/loss_scale"] < 2**24, last
     # Without the stand-in, fp16 on CPU is one line and exit 2, not DeepSpeed's traceback.
-    plain = subprocess.run([sys.executable, "-m", "pretrain", *args[:-1], f"train.run_dir={tmp_path / 'cpu'}"],
-                           cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
+    plain = pretrain([*args[:-1], f"train.run_dir={tmp_path / 'cpu'}"], check=False)
     assert plain.returncode == 2, plain.stderr[-2000:]
     assert "train.precision=fp16 needs CUDA GPUs" in plain.stderr and "Traceback" not in plain.stderr

@@ -4,15 +4,14 @@ computed here from the same windows, with a plain cross-entropy over the model's
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import data_pipeline as dp
-from helpers import REPO, train_env
+import helpers
+from helpers import REPO
 from pretrain import distributed
 from pretrain.config import load_config
 from pretrain.evaluate import _config, evaluate
@@ -133,9 +132,7 @@ def test_eval_command_with_data_and_micro_batch_size(data, tmp_path, monkeypatch
 
     def pretrain_eval(*args):
         out = tmp_path / f"eval{len(list(tmp_path.glob('eval*.json')))}.json"
-        proc = subprocess.run([sys.executable, "-m", "pretrain", "eval", str(hf), *args, "--json", str(out)], cwd=REPO,
-                              env=train_env(), capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        helpers.pretrain(["eval", str(hf), *args, "--json", str(out)])
         return json.loads(out.read_text())
 
     got = pretrain_eval(str(config), "--data", str(path), "--micro-batch-size", "3")

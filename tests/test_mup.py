@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, TINY, read_metrics, run_train, train_env
+from helpers import REPO, TINY, pretrain, read_metrics, run_train, train_env
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +85,7 @@ def test_a_resume_with_another_parametrization_is_refused(completep_run):
     cmd = [sys.executable, "-m", "pretrain", "train", str(TINY), "logging.progress=false",
            *COMPLETEP, *SIGN_STEPS, *USER_PATH, f"train.run_dir={completep_run}", "train.max_steps=4", "checkpoint.resume=auto",
            "model.parametrization=mup"]
-    proc = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True)
+    proc = pretrain(cmd[3:], check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     [line] = [x for x in proc.stderr.splitlines() if "error" in x]
     assert "was trained with model.parametrization=completep" in line and "this run has model.parametrization=mup" in line
@@ -94,7 +94,7 @@ def test_a_resume_with_another_parametrization_is_refused(completep_run):
     cmd = [sys.executable, "-m", "pretrain", "train", str(TINY), "logging.progress=false", *COMPLETEP[1:], *USER_PATH,
            f"train.run_dir={completep_run.parent / 'tuned'}", "train.max_steps=4",
            f"checkpoint.init_from={completep_run}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True)
+    proc = pretrain(cmd[3:], check=False)
     assert proc.returncode == 2 and "this run has model.parametrization=sp" in proc.stderr, proc.stderr[-2000:]
 
 
@@ -126,10 +126,8 @@ def test_the_export_folds_the_multipliers(tmp_path, mup_checkpoint, monkeypatch)
         torch.testing.assert_close(hf(x).logits, ours(x), atol=1e-5, rtol=0)
     evals = []
     for model in (mup_checkpoint, out):
-        proc = subprocess.run([sys.executable, "-m", "pretrain", "eval", str(model), "data.seq_len=64", "--json",
-                               str(tmp_path / "e.json"), "--data", str(REPO / "README.md"), "--batches", "2"],
-                              cwd=REPO, env=train_env(), capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+        pretrain(["eval", str(model), "data.seq_len=64", "--json", str(tmp_path / "e.json"), "--data",
+                  str(REPO / "README.md"), "--batches", "2"])
         evals.append(json.loads((tmp_path / "e.json").read_text())["loss"])
     assert evals[0] == pytest.approx(evals[1], rel=1e-5)
 
@@ -139,9 +137,7 @@ MUP_64 = ["model.parametrization=mup", "model.mup_base_dim=64", "model.mup_base_
 
 def _check(tmp_path, *args):
     out = tmp_path / "check.json"
-    proc = subprocess.run([sys.executable, "-m", "pretrain", "mup", "check", str(TINY), *args, "--json", str(out),
-                           "--out", str(tmp_path)], cwd=REPO, env=train_env(), capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    pretrain(["mup", "check", str(TINY), *args, "--json", str(out), "--out", str(tmp_path)], timeout=600)
     return json.loads(out.read_text())
 
 
@@ -266,8 +262,7 @@ def test_coordinate_check_with_muon_across_depth():
     (["model.parametrization=mup", "--widths", "64,128"], "needs model.mup_base_dim"),
 ])
 def test_coordinate_check_bad_input(tmp_path, args, message):
-    proc = subprocess.run([sys.executable, "-m", "pretrain", "mup", "check", str(TINY), *args], cwd=REPO,
-                          env=train_env(), capture_output=True, text=True)
+    proc = pretrain(["mup", "check", str(TINY), *args], check=False)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert len([x for x in proc.stderr.splitlines() if x.strip()]) == 1
 

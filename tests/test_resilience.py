@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from helpers import REPO, TINY, free_port, losses, read_metrics, run_train, train_env
+from helpers import REPO, TINY, free_port, losses, pretrain, read_metrics, run_train, train_env
 from pretrain.errors import ConfigError, NonFiniteStep
 from pretrain.faults import Injector, parse
 
@@ -279,9 +279,8 @@ def test_fault_specs_parse():
 
 
 def test_a_bad_fault_is_refused_before_training(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pretrain", "train", str(TINY), f"train.run_dir={tmp_path / 'r'}"],
-                          cwd=REPO, env=train_env({"PRETRAIN_FAULT": "hang@rank=1"}), capture_output=True, text=True,
-                          timeout=120)
+    proc = pretrain(["train", str(TINY), f"train.run_dir={tmp_path / 'r'}"], env={"PRETRAIN_FAULT": "hang@rank=1"},
+                    timeout=120, check=False)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "pretrain: error: PRETRAIN_FAULT='hang@rank=1': hang needs step"]
     assert not (tmp_path / "r").exists()
@@ -464,9 +463,8 @@ def test_a_drill_at_another_step_fires_and_nan_hits_every_micro_batch(tmp_path):
 
 def test_a_fault_for_a_rank_the_run_lacks_is_one_line(tmp_path):
     exit_file = tmp_path / "exit.json"
-    proc = subprocess.run([sys.executable, "-m", "pretrain", "train", str(TINY), f"train.run_dir={tmp_path / 'r'}",
-                           "logging.wandb=disabled"], cwd=REPO, capture_output=True, text=True, timeout=180,
-                          env=train_env({"PRETRAIN_FAULT": "hang@rank=1,step=2", "PRETRAIN_EXIT_FILE": str(exit_file)}))
+    proc = pretrain(["train", str(TINY), f"train.run_dir={tmp_path / 'r'}", "logging.wandb=disabled"], timeout=180,
+                    env={"PRETRAIN_FAULT": "hang@rank=1,step=2", "PRETRAIN_EXIT_FILE": str(exit_file)}, check=False)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "pretrain: error: PRETRAIN_FAULT='hang@rank=1,step=2': rank=1, but this run has 1 rank(s) (0-0)"]
     assert json.loads(exit_file.read_text())["code"] == 2
@@ -476,10 +474,8 @@ def test_a_bad_fault_is_recorded_as_a_user_error(tmp_path):
     """Under slurm/pretrain.sbatch (PRETRAIN_EXIT_FILE) a bad spec is recorded as exit 2, so the
     restart loop does not take it for a crash and restart it (or leave out a healthy node)."""
     exit_file = tmp_path / "exit.json"
-    proc = subprocess.run([sys.executable, "-m", "pretrain", "train", str(TINY), f"train.run_dir={tmp_path / 'r'}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=train_env({"PRETRAIN_FAULT": "spike@step=2,factor=inf",
-                                         "PRETRAIN_EXIT_FILE": str(exit_file)}))
+    proc = pretrain(["train", str(TINY), f"train.run_dir={tmp_path / 'r'}"], timeout=120, check=False,
+                    env={"PRETRAIN_FAULT": "spike@step=2,factor=inf", "PRETRAIN_EXIT_FILE": str(exit_file)})
     assert proc.returncode == 2
     assert json.loads(exit_file.read_text())["code"] == 2
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, TINY, losses, read_metrics, run_train, train_env
+from helpers import REPO, TINY, losses, pretrain, read_metrics, run_train, train_env
 
 pytestmark = pytest.mark.slow
 
@@ -150,8 +150,7 @@ def test_export_and_generate_verify_the_checkpoint_first(tmp_path, damage):
         data = data[:len(data) // 2]
     shard.write_bytes(bytes(data))
     for args in (["export", f"{tmp_path}/run", f"{tmp_path}/hf"], ["generate", f"{tmp_path}/run"]):
-        proc = subprocess.run([sys.executable, "-m", "pretrain", *args], cwd=REPO, env=train_env(),
-                              capture_output=True, text=True)
+        proc = pretrain(args, check=False)
         assert proc.returncode == 2, proc.stderr[-2000:]
         line = _one_error_line(proc)
         assert ("fails its checksum" if damage == "flip" else "truncated") in line

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, free_port, run_train, train_env
+from helpers import free_port, run_train
 from pretrain.cli import main
 from pretrain.errors import UserError
 from pretrain.tasks import Instance, load, metrics
@@ -273,15 +273,10 @@ def _specs(task_files):
 
 
 def _eval(*args, nproc=1) -> dict:
-    import subprocess
-    import sys
+    from helpers import pretrain
 
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"tasks-{os.getpid()}-{free_port()}.json"
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                                                    str(nproc), "--master_port", str(free_port())]
-    proc = subprocess.run([*launcher, "-m", "pretrain", "eval", *args, "--json", str(out)], cwd=REPO,
-                          env=train_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    pretrain(["eval", *args, "--json", str(out)], nproc=nproc, timeout=600)
     return json.loads(out.read_text())
 
 

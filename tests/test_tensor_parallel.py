@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, free_port, losses, read_metrics, run_train, tokens_drawn_are_tokens_seen, train_env
+from helpers import REPO, free_port, losses, pretrain, read_metrics, run_train, tokens_drawn_are_tokens_seen, train_env
 
 from pretrain.config import load_config
 from pretrain.parallelize import TP_SPLITS, deepspeed_config, tensor_parallel_dim
@@ -225,10 +225,7 @@ def test_tp2_by_dp2_on_four_ranks_trains_resumes_and_evaluates_as_tp1(tmp_path):
     scores = []
     for run in (one, four):
         out = tmp_path / f"{run.name}.json"
-        cmd = [sys.executable, "-m", "pretrain", "eval", str(run / "checkpoints" / "step_00000004"), "--batches", "1",
-               "--json", str(out)]
-        proc = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        pretrain(["eval", str(run / "checkpoints" / "step_00000004"), "--batches", "1", "--json", str(out)])
         scores.append(json.loads(out.read_text()))
     assert scores[1]["loss"] == pytest.approx(scores[0]["loss"], rel=1e-5)
 
@@ -279,10 +276,7 @@ def test_tensor_parallel_at_each_zero_stage_equals_tp1(tmp_path, stage, precisio
         scores = []
         for run in (one, two):
             out = tmp_path / f"{run.name}.json"
-            cmd = [sys.executable, "-m", "pretrain", "eval", str(run / "checkpoints" / "step_00000003"), "--batches",
-                   "1", "--json", str(out)]
-            proc = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
-            assert proc.returncode == 0, proc.stderr[-3000:]
+            pretrain(["eval", str(run / "checkpoints" / "step_00000003"), "--batches", "1", "--json", str(out)])
             scores.append(json.loads(out.read_text()))
         assert scores[1]["loss"] == pytest.approx(scores[0]["loss"], rel=1e-5)
     if stage == 0:  # stage 0's optimizer state is each tensor-parallel rank's own: another TP size is one line

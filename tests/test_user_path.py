@@ -5,12 +5,10 @@ processes."""
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from helpers import REPO, losses, read_metrics, run_train, train_env
+from helpers import losses, pretrain, read_metrics, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -64,9 +62,7 @@ def test_bf16_zero3_in_loop_tasks_follow_fp32_and_pretrain_eval(runs, tmp_path):
     # (measured: 1.8553 against 1.8551 for fp32 and 1.8551 for the CLI; bf16 logits round at ~4e-3)
     assert bf16["eval/mine/bpb"] == pytest.approx(fp32["eval/mine/bpb"], rel=2e-3)
     out = tmp_path / "tasks.json"
-    subprocess.run([sys.executable, "-m", "pretrain", "eval", str(runs["bf16-z3"]), "--tasks",
-                    str(runs["bf16-z3"].parent / "mine.jsonl"), "--json", str(out)], cwd=REPO, env=train_env(),
-                   check=True, capture_output=True, timeout=300)
+    pretrain(["eval", str(runs["bf16-z3"]), "--tasks", str(runs["bf16-z3"].parent / "mine.jsonl"), "--json", str(out)])
     cli = json.loads(out.read_text())["tasks"]["mine"]["metrics"]
     assert bf16["eval/mine/bpb"] == pytest.approx(cli["bpb"], rel=2e-3)
 
@@ -129,9 +125,6 @@ def test_eval_rebuilds_the_model_that_trained(runs, name, tmp_path):
     it must score the held-out batch as the engine did at the end of training (fp32: the same
     numbers; bf16: within bf16's rounding of activations)."""
     out = tmp_path / "eval.json"
-    proc = subprocess.run([sys.executable, "-m", "pretrain", "eval", str(runs[name]), "--batches", "1",
-                           "--micro-batch-size", "1", "--json", str(out)], cwd=REPO, env=train_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    pretrain(["eval", str(runs[name]), "--batches", "1", "--micro-batch-size", "1", "--json", str(out)])
     got, trained = json.loads(out.read_text())["loss"], _final_eval(runs[name])
     assert got == pytest.approx(trained, rel=1e-5 if name.startswith("fp32") else 5e-3), (got, trained)
