@@ -13,7 +13,7 @@ from data_pipeline.sources import resolve_source
 from data_pipeline.tokenizer import eot_id, load_tokenizer, padded_vocab_size, tokenizer_fingerprint, train_tokenizer
 
 _LAZY = ("TokenLoader", "build_loader", "build_validation_batches", "evaluation_windows", "merge_states")
-_DOCUMENTS = ("document_ids", "document_positions", "sequence_shard")
+_DOCUMENTS = ("document_ids", "document_inputs", "document_positions", "sequence_shard")
 __all__ = ["DataConfig", "SourceConfig", "source_names", "DataError", "prepare", "resolve_source", "eot_id", "load_tokenizer",
            "padded_vocab_size", "tokenizer_fingerprint", "train_tokenizer", *_LAZY, *_DOCUMENTS]
 

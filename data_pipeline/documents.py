@@ -29,6 +29,15 @@ def document_positions(documents: torch.Tensor) -> torch.Tensor:
     return index - first
 
 
+def document_inputs(input_ids: torch.Tensor, eot: int | None, restart_positions: bool = False) -> dict:
+    """The model's document arguments for whole sequences (B, T): none without document masking (eot
+    None); else "documents", and with `restart_positions` "positions" that restart at each document."""
+    if eot is None:
+        return {}
+    documents = document_ids(input_ids, eot)
+    return {"documents": documents, **({"positions": document_positions(documents)} if restart_positions else {})}
+
+
 def sequence_shard(batch: dict, rank: int, size: int, eot: int | None = None,
                    restart_positions: bool = False) -> dict:
     """Rank `rank`'s share of a micro-batch of whole sequences for a sequence-parallel group of `size`
@@ -50,11 +59,12 @@ def sequence_shard(batch: dict, rank: int, size: int, eot: int | None = None,
         raise ValueError(f"sequence length {T} is not divisible by the sequence-parallel size {size}")
     n = T // size
     part = slice(rank * n, (rank + 1) * n)
-    documents = document_ids(inputs, eot) if eot is not None else None
+    if restart_positions and eot is None:
+        raise ValueError("positions restarted per document need the document separator (eot)")
+    whole = document_inputs(inputs, eot, restart_positions)
+    documents = whole.get("documents")
     if restart_positions:
-        if documents is None:
-            raise ValueError("positions restarted per document need the document separator (eot)")
-        positions = document_positions(documents)[:, part]
+        positions = whole["positions"][:, part]
     else:
         positions = torch.arange(rank * n, (rank + 1) * n).expand(B, n)
     out = {"input_ids": inputs[:, part], "labels": labels[:, part], "positions": positions,

@@ -96,7 +96,7 @@ def evaluate(model, tokenizer, cfg, env, batches: int = 0, micro_batch_size: int
                 buckets[0].index_add_(0, bucket_of, token_losses.double().sum(0).cpu())
                 buckets[1].index_add_(0, bucket_of, torch.full((T,), float(len(rows)), dtype=torch.float64))
             else:
-                loss = model(inputs, labels)  # mean over the batch's tokens, fp32
+                loss = model(inputs, labels, **_documents(model, inputs))  # mean over the batch's tokens, fp32
             sums[0] += float(loss) * labels.numel()
             sums[1] += labels.numel()
             sums[2] += sum(len(tokenizer.decode(row.tolist(), skip_special_tokens=False).encode("utf-8"))
@@ -121,6 +121,14 @@ def evaluate(model, tokenizer, cfg, env, batches: int = 0, micro_batch_size: int
     return out
 
 
+def _documents(model, tokens: torch.Tensor) -> dict:
+    """The model's document arguments for `tokens` (model.document_mask)."""
+    import data_pipeline as dp
+
+    a = model.args
+    return dp.document_inputs(tokens, a.document_eot, a.document_positions)
+
+
 def _token_losses(model, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the model's mean loss, as without this, and every token's loss (B, T) fp32, nats). The LM
     head's input is caught on its way in and put through the head again a chunk of tokens at a time,
@@ -130,7 +138,7 @@ def _token_losses(model, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[to
     caught = []
     hook = model.output.register_forward_pre_hook(lambda module, args: caught.append(args[0]))
     try:
-        loss = model(inputs, labels)
+        loss = model(inputs, labels, **_documents(model, inputs))
     finally:
         hook.remove()
     h, flat = caught[0].flatten(0, 1), labels.flatten()  # (B*T, D), (B*T,)
@@ -239,7 +247,7 @@ def _eval_tasks(args, env, path, model, tokenizer, eot, suite) -> None:
 
         raise UserError(f"{path}: the model names no end-of-text token (config.json eos_token_id), which "
                         "scoring an empty context needs")
-    results = suite(model, env.device, env.rank, env.world_size, distributed.all_gather_objects, tokenizer=tokenizer,
+    results = suite(lambda tokens: model(tokens, **_documents(model, tokens)), env.device, env.rank, env.world_size, distributed.all_gather_objects, tokenizer=tokenizer,
                     eot=eot, max_len=model.args.max_seq_len)
     if env.is_main:
         for task, r in results.items():

@@ -95,7 +95,7 @@ class Probe:
         """RMS of each activation on `tokens`, also under the names by relative depth."""
         self.sq, self.active = {}, True
         with torch.no_grad():
-            self.sq["logits"] = _rms(model(tokens)) ** 2
+            self.sq["logits"] = _rms(model(tokens, **_documents(model, tokens))) ** 2
         self.active = False
         n = len(model.layers)
         out = {k: math.sqrt(v) for k, v in self.sq.items()}
@@ -109,6 +109,12 @@ class Probe:
             h.remove()
 
 
+def _documents(model: Transformer, tokens: torch.Tensor) -> dict:
+    import data_pipeline as dp
+
+    return dp.document_inputs(tokens, model.args.document_eot, model.args.document_positions)
+
+
 def train_and_measure(args: ModelArgs, cfg: Config, batch: tuple[torch.Tensor, torch.Tensor], steps: int,
                       seed: int) -> list[dict[str, float]]:
     """The activations' RMS after each of `steps` steps of one model on `batch` (inputs, labels):
@@ -120,7 +126,7 @@ def train_and_measure(args: ModelArgs, cfg: Config, batch: tuple[torch.Tensor, t
     set_lr(optimizer, cfg.optimizer.lr)
     probe, (inputs, labels), out = Probe(model), batch, []
     for _ in range(steps):
-        loss = model(inputs, labels)
+        loss = model(inputs, labels, **_documents(model, inputs))
         if not torch.isfinite(loss):
             raise UserError(f"the check diverged at model.dim={args.dim}, model.n_layers={args.n_layers} "
                             f"(loss {loss.item()}): lower optimizer.lr")

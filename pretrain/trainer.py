@@ -169,10 +169,11 @@ class Trainer:
         """(input ids, labels, the model's other arguments) on the device: under sequence parallelism
         this rank's slice of the sequences, with its positions, the documents and the label count of
         the whole sequences (data_pipeline.sequence_shard)."""
+        a = self.engine.module.args
         if self.env.sp > 1:
-            a = self.engine.module.args
-            batch = dp.sequence_shard(batch, self.env.sp_rank, self.env.sp, a.eot_id if a.document_mask else None,
-                                      a.document_positions)
+            batch = dp.sequence_shard(batch, self.env.sp_rank, self.env.sp, a.document_eot, a.document_positions)
+        else:
+            batch = {**batch, **dp.document_inputs(batch["input_ids"], a.document_eot, a.document_positions)}
         extra = {k: v.to(self.env.device, non_blocking=True) if torch.is_tensor(v) else v
                  for k, v in batch.items() if k not in ("input_ids", "labels")}
         return (batch["input_ids"].to(self.env.device, non_blocking=True),
@@ -295,7 +296,8 @@ class Trainer:
 
             def logits(tokens):
                 self._progress()
-                return self.engine(tokens)
+                a = self.engine.module.args
+                return self.engine(tokens, **dp.document_inputs(tokens, a.document_eot, a.document_positions))
 
             # Task requests are short: each rank scores its own, whole, without the sequence exchange.
             # A tensor-parallel group runs each forward together: its ranks score the same requests,

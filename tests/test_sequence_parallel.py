@@ -180,7 +180,9 @@ def test_document_masking_scores_like_each_document_alone_in_one_process():
     model = Transformer(args)
     model.init_weights()
     tokens = torch.tensor([[3, 4, 5, 0, 6, 7, 8, 9, 0, 10, 11]])
-    packed = model(tokens)
+    packed = model(tokens, **dp.document_inputs(tokens, 0, restart_positions=True))
+    with pytest.raises(ValueError, match="needs the batch's `documents`"):  # the model computes no boundaries
+        model(tokens)
     unmasked = Transformer(ModelArgs(**{**args.__dict__, "document_mask": False, "document_positions": False}))
     unmasked.load_state_dict(model.state_dict())
     for start, end in [(0, 3), (3, 8), (8, 11)]:
@@ -209,7 +211,7 @@ def test_the_flex_attention_mask_equals_the_dense_one(monkeypatch, positions):
         monkeypatch.setattr(m, "FLEX_DEVICES", {"cpu"} if flex else set())
         assert isinstance(m.document_mask(dp.document_ids(tokens, 0)), m.BlockMask) == flex
         with torch.no_grad():
-            out[flex] = model(tokens)
+            out[flex] = model(tokens, **dp.document_inputs(tokens, 0, positions))
     torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
     args.document_mask = args.document_positions = False
     with torch.no_grad():

@@ -60,6 +60,12 @@ class ModelArgs:
     # shape, so the base model is the same function in every parametrization. The optimizer's rules
     # are in pretrain/optim.py.
     @property
+    def document_eot(self) -> int | None:
+        """The separator whose documents the attention keeps apart (model.document_mask), else None:
+        what callers give data_pipeline.document_inputs for the model's `documents` and `positions`."""
+        return self.eot_id if self.document_mask else None
+
+    @property
     def width_mult(self) -> float:
         """m = dim / mup_base_dim (1 under sp)."""
         return self.dim / self.mup_base_dim if self.parametrization != "sp" else 1.0

@@ -24,7 +24,6 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from data_pipeline.documents import document_ids, document_positions
 from pretrain.model.args import ModelArgs
 
 Gather = Callable[[list[nn.Parameter]], ContextManager]
@@ -327,7 +326,9 @@ class Transformer(nn.Module):
         With `cache`, the tokens sit at positions start_pos..start_pos+T-1 and attend to the cached
         past; without, they start at 0 (training), or at `positions` (B, T) where given.
         With model.document_mask, tokens attend within their document only: `documents` (B, T') are
-        the document ids (default: from the tokens and model.eot_id; data_pipeline/documents.py).
+        the document ids, and with model.document_positions `positions` restart at each document
+        (both from data_pipeline.document_inputs(tokens, args.document_eot, args.document_positions),
+        which the data path and every caller use; the model computes neither).
         Under sequence parallelism each rank passes its slice of the tokens with their `positions`,
         the whole sequences' `documents` (T' = the whole length) and the whole sequences' scored
         labels per rank as `label_count`, so that the group's losses average to its mean
@@ -339,10 +340,9 @@ class Transformer(nn.Module):
             raise ValueError(f"positions up to {end} exceed model.max_seq_len={self.args.max_seq_len}")
         mask = None
         if self.args.document_mask and cache is None:
-            if documents is None:
-                documents = document_ids(tokens, self.args.eot_id)
-            if positions is None and self.args.document_positions:
-                positions = document_positions(documents)
+            if documents is None or (positions is None and self.args.document_positions):
+                raise ValueError("model.document_mask needs the batch's `documents` (and with model.document_positions "
+                                 "its `positions`): data_pipeline.document_inputs")
             mask = document_mask(documents)
         h = self.tok_embeddings(tokens)  # (B, T, D)
         # (T, hd/2, 2), or each row's own positions (B, T, hd/2, 2)
