@@ -101,7 +101,7 @@ for kv, mask, positions in [(4, False, False), (2, False, False), (1, True, True
         tokens[torch.rand(B, T + 1, generator=g) < 0.01] = EOT
     inputs, labels = tokens[:, :-1], tokens[:, 1:].clone()
     labels[0, : 3 * T // 8] = -100  # unscored labels, all on the first ranks' slices
-    ref = whole(inputs, labels)
+    ref = whole(inputs, labels, **dp.document_inputs(inputs, EOT if mask else None, positions))
     ref.backward()
     shard = dp.sequence_shard({"input_ids": inputs, "labels": labels}, env.sp_rank, sp, EOT if mask else None,
                               positions)
