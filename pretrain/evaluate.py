@@ -247,8 +247,8 @@ def _eval_tasks(args, env, path, model, tokenizer, eot, suite) -> None:
 
         raise UserError(f"{path}: the model names no end-of-text token (config.json eos_token_id), which "
                         "scoring an empty context needs")
-    results = suite(lambda tokens: model(tokens, **_documents(model, tokens)), env.device, env.rank, env.world_size, distributed.all_gather_objects, tokenizer=tokenizer,
-                    eot=eot, max_len=model.args.max_seq_len)
+    results = suite(lambda tokens: model(tokens, **_documents(model, tokens)), env.device, env.rank, env.world_size,
+                    distributed.all_gather_objects, tokenizer=tokenizer, eot=eot, max_len=model.args.max_seq_len)
     if env.is_main:
         for task, r in results.items():
             shown = " | ".join(f"{k} {v:.4f}" for k, v in r["metrics"].items())
