@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import re
 import socket
 from dataclasses import dataclass
 
@@ -327,19 +328,20 @@ def keep_freed_memory() -> None:
 
 
 def own_compile_cache(local_rank: int) -> None:
-    """Give each rank of a node its own inductor cache (train.compile), unless the user named one.
-    By default every process of a user shares /tmp/torchinductor_<user>, and the ranks of a run
-    compile the same graphs at the same moment: a rank that loads a compiled kernel another rank is
-    still writing can crash (CI: a SIGSEGV in one of two ranks during the first compiled backward;
-    pytorch#92664, #153791 report such races). Per rank, later runs still reuse the cache."""
+    """Give each rank of a node its own inductor cache directory: `rank<local_rank>` under the one the
+    user named in TORCHINDUCTOR_CACHE_DIR, else under torch's default /tmp/torchinductor_<user>.
+    The ranks of a run compile the same graphs at the same moment, and a rank that loads a compiled
+    kernel another rank is still writing can crash (CI: a SIGSEGV in one of two ranks during the
+    first compiled backward; pytorch#92664, #153791 report such races), and a directory the user
+    names is no safer than the default. Per rank, later runs still reuse the cache."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    # (torch writes its default there on first use, and a launcher that imported it passes that on:
-    # the ranks of `python -m pytest` shared one cache so, and one of them crashed in a cold compile)
-    if named and os.path.normpath(named) != os.path.normpath(default_cache_dir()):
-        return
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(), f"rank{local_rank}")
+    # (torch writes its default there on first use, and a launcher that imported it passes that on;
+    # a process this ran in already, or a parent that did, passes its rank's directory on)
+    base = os.path.normpath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+    if re.fullmatch(r"rank\d+", os.path.basename(base)):
+        base = os.path.dirname(base)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"rank{local_rank}")
 
 
 def _free_port() -> int:

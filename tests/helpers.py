@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,9 @@ def train_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", WANDB_SILENT="true", TOKENIZERS_PARALLELISM="false",
                PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
+    # Compiled kernels under this worker's TMPDIR (tests/conftest.py), one directory per rank
+    # (distributed.own_compile_cache), never one a parent process computed elsewhere.
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / "torchinductor_tests")
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
     env.pop("WANDB_API_KEY", None)
@@ -65,13 +69,42 @@ def pretrain(args: list[str], nproc: int = 1, launcher: str = "torchrun", timeou
     # that each rank must compute for itself)
     compiled = "train.compile=true" in args
     if launcher == "torchrun" and (nproc == 1 or check) and not compiled and _zygote_can_fork(env):
-        proc = _forked(args, nproc, env, cwd, timeout)
+        run = lambda: _forked(args, nproc, env, cwd, timeout)  # noqa: E731
     else:
-        proc = subprocess.run(_command(args, nproc, launcher), cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        run = lambda: subprocess.run(_command(args, nproc, launcher), cwd=cwd, env=env,  # noqa: E731
+                                     capture_output=True, text=True, timeout=timeout)
+    proc = run()
+    if check and proc.returncode != 0 and crashed(proc):
+        # A rank killed by SIGSEGV/SIGBUS inside torch (CI saw it in inductor-compiled kernels, once in a
+        # few hundred runs, never on this machine): said as a warning, the run's directory kept aside,
+        # and run once more. A second crash, or any other failure, fails the test.
+        warnings.warn(f"a rank crashed, running again once: {' '.join(args)}\n{fatal_error(proc.stderr)}")
+        for arg in args:
+            if arg.startswith("train.run_dir=") and Path(arg.split("=", 1)[1]).exists():
+                run_dir = Path(arg.split("=", 1)[1])
+                run_dir.rename(run_dir.with_name(run_dir.name + ".crashed"))
+        proc = run()
     if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{fatal_error(proc.stderr)}"
+                             f"{proc.stderr[-6000:]}")
     return proc
+
+
+def crashed(proc: subprocess.CompletedProcess) -> bool:
+    """A process (or, under torchrun, one of its ranks) ended by a segmentation fault or bus error."""
+    return proc.returncode in (-signal.SIGSEGV, -signal.SIGBUS) or any(
+        mark in proc.stderr for mark in ("(SIGSEGV)", "(SIGBUS)", "Fatal Python error: Segmentation fault",
+                                         "Fatal Python error: Bus error"))
+
+
+def fatal_error(stderr: str) -> str:
+    """faulthandler's report of a crashed process (PYTHONFAULTHANDLER=1: the stacks, then a list of
+    extension modules long enough to push the stacks out of a stderr tail), without that list."""
+    at = stderr.find("Fatal Python error")
+    if at < 0:
+        return ""
+    report = stderr[at:at + 8000]
+    return report[:report.find("Extension modules:")] if "Extension modules:" in report else report
 
 
 def _command(args: list[str], nproc: int, launcher: str) -> list[str]:

@@ -128,11 +128,11 @@ def test_the_deepspeed_launcher_on_two_nodes(tmp_path):
     assert lines == ["NODE rank=0 world=2 local_size=1", "NODE rank=1 world=2 local_size=1"]
 
 
-def test_each_rank_compiles_into_its_own_cache_unless_one_is_named(monkeypatch):
-    """torch writes its default inductor cache dir into the environment on first use, and a process
-    that imported it (pytest, a sweep runner) passes that on to the ranks it starts: that default is
-    not a user's choice and still gets a directory per rank (ranks sharing one crashed in a cold
-    compile). A directory the user named is kept."""
+def test_each_rank_compiles_into_its_own_cache(monkeypatch):
+    """Each rank compiles into `rank<local rank>` under the cache directory: torch's default (which
+    torch writes into the environment on first use, so a process that imported it passes it on to
+    the ranks it starts), or one the user named (two runs' ranks sharing one crashed in CI). A
+    process that already has its rank's directory (set by a parent that ran this) keeps one level."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
@@ -140,7 +140,9 @@ def test_each_rank_compiles_into_its_own_cache_unless_one_is_named(monkeypatch):
     assert distributed.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(Path(default_cache_dir()) / "rank1")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/mine")
     distributed.own_compile_cache(1)
-    assert distributed.os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/mine"
+    assert distributed.os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/mine/rank1"
+    distributed.own_compile_cache(0)
+    assert distributed.os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/mine/rank0"
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     distributed.own_compile_cache(0)
     assert distributed.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(Path(default_cache_dir()) / "rank0")
