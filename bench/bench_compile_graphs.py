@@ -24,11 +24,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import json, sys, torch
-from pretrain import distributed
+from pretrain.parallel import distributed
 env = distributed.init("gloo")
 from torch._dynamo.utils import counters
 from pretrain.config import load_config
-from pretrain.parallelize import build_engine, build_model, deepspeed_config
+from pretrain.parallel.parallelize import build_engine, build_model, deepspeed_config
 stage, ac, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 cfg = load_config(sys.argv[4], [f"distributed.zero_stage={stage}", f"train.activation_checkpointing={ac}",
                                 "model.vocab_size=512", "train.micro_batch_size=2", "data.seq_len=64",
@@ -41,7 +41,7 @@ if mode == "blocks":
     model.output.compile()
 engine = build_engine(model, cfg, ds, env.device)
 if sys.argv[5] == "1":  # the trainer's compute clock (straggler report), hooked in after DeepSpeed
-    from pretrain.resilience import ComputeClock
+    from pretrain.faults.stragglers import ComputeClock
     ComputeClock(engine.module, env.device, stage)
 if mode == "whole":
     engine.compile()

@@ -92,10 +92,10 @@ def run_loop(a, preset: str, micro: int, ac: int, compile_: bool, kind: str) -> 
 
     import pretrain.model.model as model_module
 
+    from pretrain.hf.mapping import to_hf_config
     from pretrain.model.args import PRESETS, ModelArgs
-    from pretrain.model.hf import to_hf_config
     from pretrain.model.model import Transformer
-    from pretrain.parallelize import apply_activation_checkpointing
+    from pretrain.parallel.parallelize import apply_activation_checkpointing
 
     hf = kind == "hf"
     dev = torch.device(a.device)

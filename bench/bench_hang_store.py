@@ -1,5 +1,5 @@
 """The hang report's load on the rendezvous store, and its latency, with simulated ranks
-(pretrain/resilience.py: Channel and Watchdog; docs/reliability.md, "The store's load").
+(pretrain/faults/watchdog.py: Channel and Watchdog; docs/reliability.md, "The store's load").
 
 One TCPStore master on 127.0.0.1, in a process of its own (as torchrun's agent hosts the rendezvous
 store), and N simulated ranks in worker processes, many ranks each. Every rank is a real Watchdog
@@ -20,7 +20,7 @@ each world size it measures:
     python bench/bench_hang_store.py                                   # 256, 1024, 4096 ranks
     python bench/bench_hang_store.py --ranks 256 4096 --code /tmp/resilience_old.py --json old.json
 
-`--code` loads another version of pretrain/resilience.py (a copy of an older one, say) in the
+`--code` loads another version of pretrain/faults/watchdog.py (a copy of an older one, say) in the
 workers, to compare before and after on the same machine. Simulation choices (docs/reliability.md
 names them): the watchdog samples its main thread every --poll-s seconds (0.5) instead of 50 times
 a second, the ranks of a worker start out of step, and the "is the main thread in a collective" test
@@ -331,7 +331,7 @@ def main() -> None:
     ap.add_argument("--steady-s", type=float, default=10.0)
     ap.add_argument("--reports", type=int, default=3)
     ap.add_argument("--poll-s", type=float, default=0.5, help="the watchdog's sampling interval, simulated")
-    ap.add_argument("--code", type=Path, default=REPO / "pretrain" / "resilience.py",
+    ap.add_argument("--code", type=Path, default=REPO / "pretrain" / "faults" / "watchdog.py",
                     help="the resilience module to run (default: this tree's)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)

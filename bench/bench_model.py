@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pretrain.hf.mapping import to_hf_config, to_hf_state_dict
 from pretrain.model.args import ModelArgs
-from pretrain.model.hf import to_hf_config, to_hf_state_dict
 from pretrain.model.model import Transformer
 
 
@@ -48,13 +48,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--compile", action="store_true", help="torch.compile both models")
     p.add_argument("--keep-freed-memory", action="store_true",
-                   help="the trainer's CPU allocator setting (pretrain.distributed.keep_freed_memory)")
+                   help="the trainer's CPU allocator setting (pretrain.parallel.distributed.keep_freed_memory)")
     p.add_argument("--json", help="write the figures here")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.keep_freed_memory:
-        from pretrain.distributed import keep_freed_memory
+        from pretrain.parallel.distributed import keep_freed_memory
 
         keep_freed_memory()
 

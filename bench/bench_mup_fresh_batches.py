@@ -38,7 +38,7 @@ def main() -> None:
     from pretrain.config import load_config
     from pretrain.model.model import Transformer
     from pretrain.mup import sized, slope
-    from pretrain.optim import build_optimizer, set_lr
+    from pretrain.optim.optimizer import build_optimizer, set_lr
 
     torch.set_num_threads(1)
     cfg = load_config(REPO / "configs" / "tiny.yaml", a.overrides)

@@ -5,7 +5,7 @@ and (`--optimizers adamw,muon`) Muon: each sweep again as SWEEP/muon.
 Each run trains the model of configs/tiny.yaml (grown by heads at its head_dim, as the planner
 grows models; `mup_base_dim` 64, `mup_base_layers` 2) for `--steps` steps with the run config's
 AdamW (or Muon: DeepSpeed's MuonWithAuxAdam as build_optimizer builds it, which runs Newton-Schulz
-itself without ZeRO), its parameter groups (pretrain/optim.py), warmup and cosine decay and gradient clipping, in
+itself without ZeRO), its parameter groups (pretrain/optim/optimizer.py), warmup and cosine decay and gradient clipping, in
 one process without DeepSpeed (the arithmetic the trainer does, without its start-up cost), and
 scores it by its loss on the held-out split. Under a parametrization that transfers, the best rate
 moves at most one grid step across widths (depths); under sp it moves with width.
@@ -50,8 +50,8 @@ def run_one(job: dict) -> dict:
     from pretrain.config import load_config
     from pretrain.model.model import Transformer
     from pretrain.mup import sized
-    from pretrain.optim import build_optimizer, set_lr
-    from pretrain.schedule import Schedule
+    from pretrain.optim.optimizer import build_optimizer, set_lr
+    from pretrain.optim.schedule import Schedule
 
     torch.set_num_threads(1)
     cfg = load_config(CONFIG, [f"model.parametrization={job['parametrization']}", f"model.mup_base_dim={BASE_DIM}",

@@ -39,9 +39,9 @@ def plain_loop(config: str, overrides: list[str], steps: int, warmup: int) -> fl
     from pretrain.build import tokenizer_and_model_args
     from pretrain.config import load_config
     from pretrain.model.model import Transformer
-    from pretrain.optim import param_groups
+    from pretrain.optim.optimizer import param_groups
 
-    from pretrain.distributed import keep_freed_memory
+    from pretrain.parallel.distributed import keep_freed_memory
 
     keep_freed_memory()  # the trainer's allocator setting on CPU: the loop gets it too
     cfg = load_config(config, overrides, world_size=1)

@@ -1,4 +1,4 @@
-"""What the straggler and hang watch (pretrain/resilience.py) costs the training loop: the
+"""What the straggler and hang watch (pretrain/faults/watchdog.py, stragglers.py) costs the training loop: the
 watchdog's sampling (50 per second) and the compute clock's marks (hooks on every module that holds
 parameters, as at ZeRO-3, where there are the most).
 
@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from pretrain.config import load_config
+from pretrain.faults.stragglers import ComputeClock
+from pretrain.faults.watchdog import Watchdog, _in_collective
 from pretrain.model.model import Transformer
-from pretrain.resilience import ComputeClock, Watchdog, _in_collective
 
 
 def main() -> None:

@@ -8,11 +8,12 @@ import logging
 import os
 from pathlib import Path
 
-from pretrain import distributed, hub
 from pretrain.config import Config
 from pretrain.errors import ConfigError
+from pretrain.hf import hub
 from pretrain.metrics import JsonlLogger, Loggers, MetricLogger, WandbLogger
 from pretrain.model.args import MASK_FIELDS, ROPE_FIELDS, ModelArgs
+from pretrain.parallel import distributed
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,8 @@ def engine(cfg: Config, args: ModelArgs, env: distributed.Dist, precision: str, 
     """The DeepSpeed engine over a freshly built model (ZeRO-3: built partitioned), initialised from
     the seed or, for fine-tuning, with the weights of `init_weights_from`. Returns (engine,
     DeepSpeed config)."""
-    from pretrain.checkpoint import load_weights
-    from pretrain.parallelize import apply_compile, build_engine, build_model, deepspeed_config
+    from pretrain.checkpoint.weights import load_weights
+    from pretrain.parallel.parallelize import apply_compile, build_engine, build_model, deepspeed_config
 
     launcher_stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
     if launcher_stage and int(launcher_stage) != cfg.distributed.zero_stage:

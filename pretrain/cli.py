@@ -49,13 +49,13 @@ def _prepare(args) -> None:
 
 
 def _export(args) -> None:
-    from pretrain.export import export
+    from pretrain.hf.export import export
 
     export(args.checkpoint, args.out_dir, args.dtype)
 
 
 def _eval(args) -> None:
-    from pretrain.evaluate import eval_cli
+    from pretrain.eval.evaluate import eval_cli
 
     eval_cli(args)
 
@@ -83,7 +83,7 @@ def _plot(args) -> None:
 def _estimate(args) -> None:
     from pretrain.build import model_args
     from pretrain.config import load_config
-    from pretrain.estimate import Assumptions, estimate, report
+    from pretrain.estimate.report import Assumptions, estimate, report
     from pretrain.metrics import peak_flops_for
 
     cfg = load_config(args.config, args.overrides)
@@ -99,7 +99,7 @@ def _estimate(args) -> None:
 
 
 def _generate(args) -> None:
-    from pretrain.generate import generate_cli
+    from pretrain.eval.generate import generate_cli
 
     generate_cli(args)
 
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         print("pretrain: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        from pretrain.distributed import PeerFailed
+        from pretrain.parallel.distributed import PeerFailed
 
         if isinstance(e, PeerFailed):  # the failing rank printed its own error
             return e.exit_code

@@ -102,7 +102,7 @@ class LoggingConfig:
     name: str = ""  # W&B run name ("" = the run_dir name)
     group: str = ""  # W&B group ("" = none; a scaling sweep sets its name)
     progress: bool = True  # progress bar on rank 0
-    comm_bytes: bool = False  # count the bytes of each kind of collective, intra/inter node, in each logged step (comm/*; pretrain/traffic.py; that step runs 1.3-1.5x slower on CPU)
+    comm_bytes: bool = False  # count the bytes of each kind of collective, intra/inter node, in each logged step (comm/*; pretrain/parallel/traffic.py; that step runs 1.3-1.5x slower on CPU)
 
 
 @dataclass
@@ -123,7 +123,7 @@ class DistributedConfig:
     hpz: bool = False  # ZeRO++ hierarchical partitioning (ZeRO-3, more than one node): a second copy of the 16-bit weights sharded within each node, so the forward and backward gathers never leave it (docs/performance.md)
 
 
-# The hang report's fixed waits (pretrain/resilience.py). They bound how long a report takes, which
+# The hang report's fixed waits (pretrain/faults/watchdog.py). They bound how long a report takes, which
 # the config keeps below the collective timeout (resilience.hang_timeout_s).
 REPORT_WAIT_S = 10.0  # the most the asking watchdog waits for every rank's answer
 IO_TIMEOUT_S = 5.0  # a report's file I/O (stacks, the exit record) is abandoned after this
@@ -387,7 +387,7 @@ def muon_problems(cfg: "Config") -> list[str]:
                    "Muon update instead of the gradient; turn offload off")
     if cfg.distributed.tensor_parallel > 1:
         out.append("optimizer.name=muon with distributed.tensor_parallel > 1: Muon orthogonalises whole matrices and "
-                   "each rank holds a slice of them (pretrain/muon.py gathers over data-parallel ranks only); use "
+                   "each rank holds a slice of them (pretrain/optim/muon.py gathers over data-parallel ranks only); use "
                    "adamw or tensor_parallel=1")
     return out
 

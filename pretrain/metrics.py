@@ -138,7 +138,7 @@ class JsonlLogger(MetricLogger):
                 pass
         if len(kept) == len(lines):
             return
-        from pretrain.rundir import write_atomic
+        from pretrain.checkpoint.rundir import write_atomic
 
         write_atomic(self.path, "".join(f"{line}\n" for line in kept))
         log.info("metrics.jsonl: dropped %d records after step %d (logged after the checkpoint restored)",

@@ -3,7 +3,7 @@
 
 Each width (model.dim, at the config's depth) and each depth (model.n_layers, at the config's
 width) is trained `steps` steps from `seeds` seeds, with the config's optimizer and its parameter
-groups (pretrain/optim.py) at the constant rate optimizer.lr (no warmup, no clipping: the update
+groups (pretrain/optim/optimizer.py) at the constant rate optimizer.lr (no warmup, no clipping: the update
 itself is measured). Widths grow by heads at the config's head_dim and GQA group, as the presets and
 the scaling planner grow models. Every step trains on the same small batch (`batch_size` sequences
 of `seq_len` tokens from the config's data), and after every step the RMS of these activations on
@@ -49,7 +49,7 @@ from pretrain.config import Config, load_config
 from pretrain.errors import ConfigError, UserError
 from pretrain.model.args import ModelArgs
 from pretrain.model.model import Attention, Transformer, apply_rotary_emb
-from pretrain.optim import build_optimizer, set_lr
+from pretrain.optim.optimizer import build_optimizer, set_lr
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ owns signals, exit codes and the Slurm requeue.
 
 Exit codes: 0 done; 2 a user error (config, data, checkpoint, run dir, a failed save); 3 a
 non-finite step with train.on_nonfinite=stop (or too many in a row with skip); 4 a rank hung
-(pretrain/resilience.py: its watchdog named it and wrote the stacks); 75 stopped by
+(pretrain/faults/watchdog.py: its watchdog named it and wrote the stacks); 75 stopped by
 SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) (after saving a checkpoint when a step had been trained;
 resume with checkpoint.resume=auto).
 
@@ -48,7 +48,7 @@ class StopSignal:
     def agreed(self) -> int:
         """The signal any rank received, 0 for none (collective). The maximum of the signal numbers:
         SIGTERM (15: scancel, the hard limit) wins over SIGUSR1 (10: the warning that requeues)."""
-        from pretrain import distributed
+        from pretrain.parallel import distributed
 
         return distributed.agree_max([self.received or 0])[0]
 
@@ -98,7 +98,7 @@ def run(config_path: str, overrides: list[str], stop: StopSignal) -> int:
         from pretrain.config import load_config
 
         cfg = load_config(config_path, overrides)
-        from pretrain import faults
+        from pretrain.faults import inject as faults
 
         faults.from_env()  # a bad PRETRAIN_FAULT is one line before anything starts
         if stop.received:  # before the process group: each rank alone (Slurm signals every one)
@@ -106,7 +106,7 @@ def run(config_path: str, overrides: list[str], stop: StopSignal) -> int:
             raise StoppedAtStartup(stop.received)
         import warnings
 
-        from pretrain import distributed
+        from pretrain.parallel import distributed
 
         # torch.distributed warns at every ZeRO-3 collective that DeepSpeed still calls by its old name.
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
@@ -135,7 +135,7 @@ def run(config_path: str, overrides: list[str], stop: StopSignal) -> int:
         raise
     finally:
         if is_main:
-            from pretrain.resilience import record_exit
+            from pretrain.faults.watchdog import record_exit
 
             record_exit(code, why)
     if summary is None:  # stopped by a signal after saving
@@ -150,14 +150,15 @@ def run(config_path: str, overrides: list[str], stop: StopSignal) -> int:
 def _train(cfg, env, stop: StopSignal):
     """The run's summary, or None after a stop by signal (checkpoint saved, requeued). Loggers and
     the run dir are closed on every way out."""
-    from pretrain import build, distributed
-    from pretrain.checkpoint import CheckpointManager
+    from pretrain import build
+    from pretrain.checkpoint.manager import CheckpointManager
+    from pretrain.checkpoint.rundir import RunDir
+    from pretrain.checkpoint.states import DataPosition, RNGState
     from pretrain.metrics import MetricLogger
     from pretrain.model.model import flops_per_token, matmul_params, num_params
-    from pretrain.parallelize import resolve_precision
-    from pretrain.rundir import RunDir
-    from pretrain.schedule import Schedule
-    from pretrain.states import DataPosition, RNGState
+    from pretrain.optim.schedule import Schedule
+    from pretrain.parallel import distributed
+    from pretrain.parallel.parallelize import resolve_precision
     from pretrain.trainer import StopRequested, Trainer
 
     def check_stop():
@@ -188,7 +189,7 @@ def _train(cfg, env, stop: StopSignal):
         loader, val_batches = distributed.agree(build.data, cfg, tokenizer, env)
         suite = None
         if cfg.train.eval_tasks:  # read once, here: a bad task is one line before the model is built
-            from pretrain import tasks
+            from pretrain.eval import tasks
 
             loaded = distributed.agree(tasks.TaskSuite, cfg.train.eval_tasks, cfg.train.eval_task_limit,
                                        cfg.train.eval_task_fewshot)

@@ -1,7 +1,7 @@
 """The Trainer: one optimizer step, one evaluation, one save, and the loop around them.
 
 It knows nothing of launchers, signals' origins, exit codes or files: pretrain/train.py builds it,
-pretrain/checkpoint.py saves and restores it (`state_dict()`), and it raises NonFiniteStep or
+pretrain/checkpoint/manager.py saves and restores it (`state_dict()`), and it raises NonFiniteStep or
 StopRequested for the entry point to turn into exit codes.
 """
 
@@ -18,14 +18,14 @@ import time
 import torch
 
 import data_pipeline as dp
-from pretrain import distributed, faults
 from pretrain.errors import NonFiniteStep
+from pretrain.faults import inject as faults
+from pretrain.faults.spikes import Rollbacks, Spikes
 from pretrain.metrics import MetricLogger, memory_stats, peak_flops
-from pretrain import ulysses
-from pretrain.optim import set_lr
-from pretrain.parallelize import grad_norm, tensor_parallel_dim, trainer_clips
-from pretrain.resilience import Rollbacks, Spikes
-from pretrain.traffic import Traffic
+from pretrain.optim.optimizer import set_lr
+from pretrain.parallel import distributed, ulysses
+from pretrain.parallel.parallelize import grad_norm, tensor_parallel_dim, trainer_clips
+from pretrain.parallel.traffic import Traffic
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class Trainer:
     def __init__(self, cfg, env: distributed.Dist, engine, loader, val_batches, schedule, ckpt, logger: MetricLogger,
                  flops_per_token: float, precision: str, stop, tasks=None):
         self.cfg, self.env, self.engine, self.loader = cfg, env, engine, loader
-        self.tasks = tasks  # train.eval_tasks: a pretrain.tasks.TaskSuite bound to the tokenizer, or None
+        self.tasks = tasks  # train.eval_tasks: a pretrain.eval.tasks.TaskSuite bound to the tokenizer, or None
         self.val_batches, self.schedule, self.ckpt, self.logger = val_batches, schedule, ckpt, logger
         self.flops_per_token, self.stop = flops_per_token, stop
         self.accum = cfg.grad_accum(env.dp_size)
@@ -73,8 +73,8 @@ class Trainer:
         self._grad_nonfinite = False  # the update was dropped for a non-finite gradient norm
         self._stats = self._host_stats = None  # this step's reduced losses: on the device, and once read
         self.faults = faults.Injector(faults.from_env(), env.rank, ckpt.run.path)  # PRETRAIN_FAULT (docs/reliability.md)
-        self.watchdog = self.stragglers = self.compute_clock = None  # pretrain/resilience.py, while fit() runs
-        self.traffic = None  # the last step's collectives, counted when it is logged (pretrain/traffic.py)
+        self.watchdog = self.stragglers = self.compute_clock = None  # pretrain/faults/, while fit() runs
+        self.traffic = None  # the last step's collectives, counted when it is logged (pretrain/parallel/traffic.py)
         r = cfg.resilience
         self.spikes = Spikes(r.spike_sigma, r.spike_window, r.spike_warmup)
         self.rollbacks = Rollbacks(r, ckpt.run.path, ckpt.run.run_id, env.is_main, self.accum)
@@ -184,7 +184,7 @@ class Trainer:
         all-reduce and one host sync per step: the losses and their finiteness are reduced together
         after the last forward, and read on the host with the gradient norm, before the update."""
         lr = self.schedule(self.step, self.decay_end)  # the rate of this step; DeepSpeed has no scheduler
-        set_lr(self.optimizer, lr)  # x each group's muP multiplier (pretrain/optim.py)
+        set_lr(self.optimizer, lr)  # x each group's muP multiplier (pretrain/optim/optimizer.py)
         self.lr = lr
         self._drop_update = self._grad_nonfinite = False
         self._spike = ""
@@ -344,7 +344,9 @@ class Trainer:
         hang reports (collective)."""
         import socket
 
-        from pretrain.resilience import STORE_TIMEOUT_S, Channel, ComputeClock, Stragglers, Watchdog
+        from pretrain.config import STORE_TIMEOUT_S
+        from pretrain.faults.stragglers import ComputeClock, Stragglers
+        from pretrain.faults.watchdog import Channel, Watchdog
 
         # Slurm's name for the node where there is one: the name slurm/pretrain.sbatch leaves out.
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -444,7 +446,8 @@ class Trainer:
     def _go_back_to(self, path) -> None:
         """Restore the run to the checkpoint `path` (a decay branch's start, a rollback's target);
         the data restarts from its restored position."""
-        from pretrain.checkpoint import Start, read_meta
+        from pretrain.checkpoint.layout import read_meta
+        from pretrain.checkpoint.manager import Start
 
         self.data_iter = None  # its workers stop; the restored position gets a fresh iterator
         self._mark("branch")
@@ -458,7 +461,7 @@ class Trainer:
         branch is what a run of `end` steps with a WSD schedule would be: its eval loss is a point at
         end x tokens-per-step tokens. A stop signal during a branch stops the run; the resume from
         this step's checkpoint runs the branch again."""
-        from pretrain.checkpoint import step_dir_name
+        from pretrain.checkpoint.layout import step_dir_name
 
         start = self.step
         self.save(wait=True)

@@ -38,7 +38,7 @@ RDZV_ID=${SLURM_JOB_ID:-local}
 # owns a block of RDZV_PORTS_PER_JOB ports (its first start, then up to 15 restarts): "job id +
 # restart" would be the next job's own port, and a store that cannot bind its port becomes a client
 # of the store already there, dying with that other job. 15000-29999 stays below Linux's ephemeral
-# range (32768+), where a busy node's own connections live. (pretrain/distributed.py uses the same
+# range (32768+), where a busy node's own connections live. (pretrain/parallel/distributed.py uses the same
 # rule for a bare srun.)
 RDZV_PORTS_PER_JOB=16
 RDZV_PORT=${RDZV_PORT:-$(( 15000 + ${SLURM_JOB_ID:-0} % (15000 / RDZV_PORTS_PER_JOB) * RDZV_PORTS_PER_JOB ))}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import REPO, TINY, free_port, losses, read_metrics, run_train, train_env
-from pretrain.checkpoint import consolidated_state_dict
+from pretrain.checkpoint.weights import consolidated_state_dict
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,7 @@ def test_a_kill_during_a_background_save_keeps_the_previous_checkpoint(tmp_path,
     save, its shards written and the checkpoint not yet complete (PRETRAIN_FAULT=savecrash). The
     step-4 checkpoint stays complete, the half-written save is never resumed from, and the resumed
     run repeats the uninterrupted one exactly."""
-    from pretrain.checkpoint import open_checkpoint
+    from pretrain.checkpoint.layout import open_checkpoint
 
     proc = _start(BASE + ["checkpoint.every=2", f"train.run_dir={tmp_path}"], fault="savecrash@rank=0,step=6")
     proc.communicate(timeout=240)

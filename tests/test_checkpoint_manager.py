@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from helpers import rewrite_meta
-from pretrain import distributed
-from pretrain.checkpoint import CheckpointManager, open_checkpoint
+from pretrain.checkpoint.layout import open_checkpoint
+from pretrain.checkpoint.manager import CheckpointManager
+from pretrain.checkpoint.rundir import RunDir
 from pretrain.config import CheckpointConfig
 from pretrain.errors import CheckpointError, RunDirError
 from pretrain.model.args import ModelArgs
-from pretrain.rundir import RunDir
+from pretrain.parallel import distributed
 
 ENV = distributed.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 ARGS = ModelArgs(dim=8, n_layers=1, n_heads=2, vocab_size=16)
@@ -323,7 +324,7 @@ def test_a_save_warns_when_the_free_space_is_below_the_last_checkpoint(tmp_path,
     usage = namedtuple("usage", "total used free")
     free = {"bytes": size}  # as much as the last checkpoint: no warning
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * 2**40, 0, free["bytes"]))
-    caplog.set_level("WARNING", logger="pretrain.checkpoint")
+    caplog.set_level("WARNING", logger="pretrain.checkpoint.manager")
     trainer.step = 2
     ckpt.save(2)
     ckpt.wait()
@@ -346,7 +347,7 @@ def test_a_file_system_without_locks_warns_and_goes_on(tmp_path, monkeypatch, ca
         raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(fcntl, "lockf", no_locks)
-    caplog.set_level("WARNING", logger="pretrain.rundir")
+    caplog.set_level("WARNING", logger="pretrain.checkpoint.rundir")
     run, ckpt, _, trainer = manager(tmp_path / "run")
     [line] = [r.getMessage() for r in caplog.records if "file locks" in r.getMessage()]
     assert line == (f"warning: {run.path} does not support file locks ({os.strerror(code)}): nothing stops a "

@@ -106,7 +106,7 @@ def test_an_extended_checkpoint_exports_to_transformers_with_our_logits(runs, tm
 
     import data_pipeline as dp
     from pretrain.config import load_config
-    from pretrain.export import export, load_for_inference
+    from pretrain.hf.export import export, load_for_inference
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = export(str(runs / name / "checkpoints"), str(tmp_path / "hf"))

@@ -196,8 +196,8 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line(tmp_path):
 
 def test_a_hub_model_that_cannot_be_downloaded_is_one_line(tmp_path, monkeypatch):
     """hub:NAME goes through huggingface_hub (offline here: the same path as a failed download)."""
-    from pretrain import hub
     from pretrain.errors import CheckpointError
+    from pretrain.hf import hub
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
@@ -337,7 +337,7 @@ def python_with_transformers_4(tmp_path_factory):
 def test_an_export_with_llama3_rope_scaling_reads_right_in_transformers_4(tmp_path, python_with_transformers_4):
     """Imported from an HF model with Llama 3.1 RoPE scaling, trained one step, exported: transformers
     4.57 sees the same RoPE settings and gives our model's logits, also past the original context."""
-    from pretrain.export import load_for_inference
+    from pretrain.hf.export import load_for_inference
 
     scaling = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}

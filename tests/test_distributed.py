@@ -1,67 +1,14 @@
-"""One module owns collectives: host values over the gloo group, device tensors over the default one."""
+"""The layout and its collectives (pretrain/parallel/distributed.py): host values over the gloo group, device
+tensors over the default one. (That no other module calls a collective: tests/test_imports.py.)"""
 
-import ast
 from pathlib import Path
 
 import pytest
 import torch
 
-from pretrain import distributed
+from pretrain.parallel import distributed
 
 REPO = Path(__file__).resolve().parents[1]
-COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object",
-               "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list", "reduce",
-               "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
-               "monitored_barrier", "send", "recv", "isend", "irecv"}
-
-
-COMM = ("torch.distributed", "deepspeed.comm")  # (DeepSpeed's wraps torch's: a call through it is one too)
-
-
-def _direct_collectives(path: Path) -> list[str]:
-    """Calls of torch.distributed or deepspeed.comm collectives in a file: `dist.X(...)` where dist is
-    an alias of either, `torch.distributed.X(...)`, or X imported from either."""
-    tree = ast.parse(path.read_text())
-    aliases, names = set(), set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            aliases |= {a.asname or a.name for a in node.names if a.name in COMM}
-        elif isinstance(node, ast.ImportFrom) and node.module in COMM:
-            names |= {a.asname or a.name for a in node.names if a.name in COLLECTIVES}
-        elif isinstance(node, ast.ImportFrom) and node.module in ("torch", "deepspeed"):
-            aliases |= {a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in COMM}
-    found = []
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
-            continue
-        f = node.func
-        if isinstance(f, ast.Name) and f.id in names:
-            found.append(f"{path.name}:{node.lineno} {f.id}")
-        elif isinstance(f, ast.Attribute) and f.attr in COLLECTIVES:
-            owner = ast.unparse(f.value)
-            if owner in aliases or owner in COMM:
-                found.append(f"{path.name}:{node.lineno} {owner}.{f.attr}")
-    return found
-
-
-def test_no_module_but_distributed_calls_a_collective():
-    files = [p for d in ("pretrain", "data_pipeline", "bench") for p in (REPO / d).rglob("*.py")]
-    owner = REPO / "pretrain" / "distributed.py"
-    assert owner in files and _direct_collectives(owner), "the scan finds nothing: it is broken"
-    offenders = [hit for p in files if p != owner for hit in _direct_collectives(p)]
-    assert offenders == [], offenders
-
-
-def test_the_scan_sees_every_spelling(tmp_path):
-    sample = tmp_path / "sample.py"
-    sample.write_text("import torch.distributed as dist\nimport torch\nfrom torch.distributed import broadcast\n"
-                      "from torch import distributed as d2\nimport deepspeed.comm as dcomm\n"
-                      "from deepspeed.comm import all_to_all_single\n"
-                      "dist.all_reduce(x)\ntorch.distributed.barrier()\nbroadcast(t, 0)\nd2.all_gather_object(o, x)\n"
-                      "dcomm.all_gather(o, x)\nall_to_all_single(o, x)\ndist.get_rank()\n")
-    assert len(_direct_collectives(sample)) == 6
-
-
 def test_device_all_reduce_refuses_host_tensors_on_gpu_runs(monkeypatch):
     """On NCCL a host tensor crashes ("No backend type associated with device type cpu"): the
     device all-reduce refuses one wherever the default group's tensors live elsewhere."""
@@ -96,7 +43,7 @@ def test_each_launchers_node_size(launcher, environ, size):
 
 
 _NODE_SIZE = """
-from pretrain import distributed
+from pretrain.parallel import distributed
 env = distributed.init("gloo")
 print(f"NODE rank={env.rank} world={env.world_size} local_size={env.local_size}", flush=True)
 distributed.shutdown()

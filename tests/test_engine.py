@@ -15,11 +15,11 @@ pytestmark = pytest.mark.slow
 SCRIPT = r"""
 import json, sys
 import deepspeed, torch
-from pretrain import distributed
+from pretrain.parallel import distributed
 env = distributed.init("gloo")
 from pretrain.config import load_config
 from pretrain.model.model import Transformer, precompute_freqs_cis
-from pretrain.parallelize import build_engine, build_model, deepspeed_config
+from pretrain.parallel.parallelize import build_engine, build_model, deepspeed_config
 
 precision, stage = sys.argv[1], int(sys.argv[2])
 cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [
@@ -89,7 +89,7 @@ import sys
 # scaler's real code runs here; and start the scale at 2^24 so that the first steps overflow.
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 CPU_Accelerator.is_fp16_supported = lambda self: True
-import pretrain.parallelize as parallelize
+import pretrain.parallel.parallelize as parallelize
 make = parallelize.deepspeed_config
 def high_scale(*args, **kwargs):
     ds = make(*args, **kwargs)

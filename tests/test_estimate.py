@@ -13,13 +13,15 @@ import torch
 from helpers import REPO, TINY, free_port, train_env
 from pretrain.cli import main
 from pretrain.config import load_config, zero_sizes
-from pretrain.estimate import (Assumptions, activation_bytes, allreduced_params, block_matrices, comm_bytes,
-                               comm_volume, estimate, fit_hint, largest_layer_params, model_state_bytes, muon_matrices,
-                               muon_step, newton_schulz_flops, report, sequence_exchange_bytes, tensor_parallel_bytes,
-                               tensor_parallel_params, zero3_gathered, zero_traffic)
+from pretrain.estimate.comm import (allreduced_params, comm_bytes, comm_volume, sequence_exchange_bytes,
+                                    tensor_parallel_bytes, zero3_gathered, zero_traffic)
+from pretrain.estimate.memory import (activation_bytes, block_matrices, largest_layer_params, model_state_bytes,
+                                      tensor_parallel_params)
+from pretrain.estimate.muon import muon_matrices, muon_step, newton_schulz_flops
+from pretrain.estimate.report import Assumptions, estimate, fit_hint, report
 from pretrain.model.args import PRESETS, ModelArgs
 from pretrain.model.model import Transformer, num_params
-from pretrain.parallelize import apply_activation_checkpointing
+from pretrain.parallel.parallelize import apply_activation_checkpointing
 
 
 def saved_by_autograd(model, tokens, labels, chunk, mlp_chunk=0) -> int:
@@ -252,7 +254,7 @@ def test_newton_schulz_flops_are_deepspeeds():
 
 
 def test_muon_costs_follow_our_zero3_step():
-    """Muon's state, traffic and Newton-Schulz work by the rule of our ZeRO-3 step (pretrain/muon.py;
+    """Muon's state, traffic and Newton-Schulz work by the rule of our ZeRO-3 step (pretrain/optim/muon.py;
     measured on 2 ranks in test_muon_states_and_traffic_are_what_deepspeed_allocates_and_sends and
     tests/test_muon.py test_muon_step_spreads_newton_schulz_and_sends_its_share): one momentum
     instead of two Adam moments; each matrix orthogonalised by one owner, its slices sent there and
@@ -346,12 +348,14 @@ CENSUS = r"""
 import gc, json, sys
 import torch
 import deepspeed.comm as dcomm
-from pretrain import distributed
+from pretrain.parallel import distributed
 env = distributed.init("gloo")
 from pretrain.config import load_config, zero_sizes
-from pretrain.estimate import allreduced_params, largest_layer_params, model_state_bytes, muon_step
+from pretrain.estimate.comm import allreduced_params
+from pretrain.estimate.memory import largest_layer_params, model_state_bytes
+from pretrain.estimate.muon import muon_step
 from pretrain.model.model import num_params
-from pretrain.parallelize import build_engine, build_model, deepspeed_config
+from pretrain.parallel.parallelize import build_engine, build_model, deepspeed_config
 
 stage, grad_dtype, optimizer = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 n = env.world_size
@@ -459,7 +463,7 @@ def test_muon_states_and_traffic_are_what_deepspeed_allocates_and_sends(nproc):
     parameters on Muon): the tensors alive after each step against the model states with one fp32
     momentum instead of two Adam moments (AdamW's 12 bytes for every parameter would be 10-15% off);
     and the bytes of each collective: per micro-batch, gradients that fit the reduce bucket (D^2)
-    all-reduced and larger ones reduce-scattered; per step, our Muon step's all-to-alls (pretrain/muon.py:
+    all-reduced and larger ones reduce-scattered; per step, our Muon step's all-to-alls (pretrain/optim/muon.py:
     gradient and momentum slices to each matrix's owner, update and momentum slices back)."""
     r = census(nproc, 3, "fp32", "muon")
     assert r["measured"] == pytest.approx(r["predicted"], rel=0.02), r

@@ -12,11 +12,11 @@ import torch.nn.functional as F
 import data_pipeline as dp
 import helpers
 from helpers import REPO
-from pretrain import distributed
 from pretrain.config import load_config
-from pretrain.evaluate import _config, evaluate
+from pretrain.eval.evaluate import _config, evaluate
 from pretrain.model.args import ModelArgs
 from pretrain.model.model import Transformer
+from pretrain.parallel import distributed
 
 ENV = distributed.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 TOKENIZER = "builtin:python-bpe-512"
@@ -116,7 +116,7 @@ def test_eval_command_with_data_and_micro_batch_size(data, tmp_path, monkeypatch
     transformers = pytest.importorskip("transformers")
     import shutil
 
-    from pretrain.export import load_for_inference
+    from pretrain.hf.export import load_for_inference
 
     path, config = data
     hf = tmp_path / "hf"
@@ -141,16 +141,16 @@ def test_eval_command_with_data_and_micro_batch_size(data, tmp_path, monkeypatch
     _same(got, want)
     _same(pretrain_eval(str(own)), want)
 
-    import pretrain.evaluate
     from pretrain.cli import main
+    import pretrain.eval.evaluate
 
-    sizes, real = [], pretrain.evaluate.evaluate
+    sizes, real = [], pretrain.eval.evaluate.evaluate
 
     def watched(model, *args, **kwargs):
         model.register_forward_pre_hook(lambda module, inputs: sizes.append(len(inputs[0])))
         return real(model, *args, **kwargs)
 
-    monkeypatch.setattr(pretrain.evaluate, "evaluate", watched)
+    monkeypatch.setattr(pretrain.eval.evaluate, "evaluate", watched)
     monkeypatch.setattr(distributed, "init", lambda *args, **kwargs: ENV)  # (no process group in this process)
     monkeypatch.setattr(distributed, "shutdown", lambda: None)
     assert main(["eval", str(hf), str(config), "--data", str(path), "--micro-batch-size", "3", "--json",

@@ -7,7 +7,7 @@ import torch
 
 from helpers import rewrite_meta, run_train
 from pretrain.cli import main
-from pretrain.export import export, load_for_inference
+from pretrain.hf.export import export, load_for_inference
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,7 @@ def test_a_format_1_checkpoint_exports_the_same_weights(tmp_path, checkpoint):
 
     from safetensors.torch import load_file
 
-    from pretrain.checkpoint import resolve_checkpoint
+    from pretrain.checkpoint.layout import resolve_checkpoint
 
     src = resolve_checkpoint(checkpoint)
     old = tmp_path / "old" / src.name

@@ -1,4 +1,4 @@
-"""The hang report's load on the rendezvous store (pretrain/resilience.py, Channel and Watchdog):
+"""The hang report's load on the rendezvous store (pretrain/faults/watchdog.py, Channel and Watchdog):
 between reports the watchdogs send the store nothing, whatever the number of ranks (each waits for
 a call blocked in the store), and a report costs each rank the same few requests at any world size.
 Real TCPStores on loopback; requests are counted, not timed (bench/bench_hang_store.py times them)."""
@@ -13,8 +13,8 @@ from collections import Counter
 import pytest
 import torch.distributed as dist
 
-from pretrain import resilience
-from pretrain.resilience import Channel, Watchdog
+from pretrain.faults import watchdog
+from pretrain.faults.watchdog import Channel, Watchdog
 
 class Counted:
     """A store that counts the requests made through it (and through its clones) by method, and
@@ -61,8 +61,8 @@ def no_exit(monkeypatch):
             raise SystemExit(code)
 
     fake = Os()
-    monkeypatch.setattr(resilience, "os", fake)
-    monkeypatch.setattr(resilience, "_bounded", lambda fn, *args: None)  # (no logging.shutdown in pytest)
+    monkeypatch.setattr(watchdog, "os", fake)
+    monkeypatch.setattr(watchdog, "_bounded", lambda fn, *args: None)  # (no logging.shutdown in pytest)
     return exits
 
 

@@ -6,7 +6,7 @@ import pytest
 from helpers import REPO, losses, read_metrics, run_train_on_nodes
 
 from pretrain.config import load_config
-from pretrain.estimate import zero3_gathered, zero_traffic
+from pretrain.estimate.comm import zero3_gathered, zero_traffic
 from pretrain.model.model import num_params
 
 RUN = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "data.seq_len=1024",

@@ -22,12 +22,12 @@ SCRIPT = r"""
 import json, os, sys
 import deepspeed, torch
 import torch.optim._muon as torch_muon
-from pretrain import distributed
+from pretrain.parallel import distributed
 env = distributed.init("gloo")
 from pretrain.config import load_config
 from pretrain.model.model import Transformer
-from pretrain.optim import MUON_ROLES, role, set_lr
-from pretrain.parallelize import build_engine, build_model, deepspeed_config
+from pretrain.optim.optimizer import MUON_ROLES, role, set_lr
+from pretrain.parallel.parallelize import build_engine, build_model, deepspeed_config
 
 stage, name, steps, clip, drop_first, precision, accum, seq = (int(sys.argv[1]), sys.argv[2], int(sys.argv[3]),
                                                               float(sys.argv[4]), sys.argv[5] == "1", sys.argv[6],
@@ -190,12 +190,12 @@ import json, sys
 import deepspeed.comm as dcomm
 import torch
 from deepspeed.runtime.zero.muon import original_muon
-from pretrain import distributed
+from pretrain.parallel import distributed
 env = distributed.init("gloo")
 from pretrain.config import load_config, zero_sizes
-from pretrain.estimate import muon_step
-from pretrain.muon import matrix_flops
-from pretrain.parallelize import build_engine, build_model, deepspeed_config
+from pretrain.estimate.muon import muon_step
+from pretrain.optim.muon import matrix_flops
+from pretrain.parallel.parallelize import build_engine, build_model, deepspeed_config
 
 cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
@@ -238,7 +238,7 @@ with open(f"{sys.argv[1]}/rank{env.rank}.json", "w") as f:
 
 @pytest.mark.slow
 def test_muon_step_spreads_newton_schulz_and_sends_its_share(tmp_path):
-    """Our ZeRO-3 Muon step (pretrain/muon.py) on 2 ranks, two steps: every Muon matrix is
+    """Our ZeRO-3 Muon step (pretrain/optim/muon.py) on 2 ranks, two steps: every Muon matrix is
     orthogonalised once per step, by one rank; the ranks' Newton-Schulz FLOPs differ by less than one
     matrix's (DeepSpeed's round robin per bucket gave rank 0 24 of 28 matrices on the estimate's
     model); each rank sends by all-to-all exactly what pretrain estimate's muon_step says for the
@@ -255,7 +255,7 @@ def test_muon_step_spreads_newton_schulz_and_sends_its_share(tmp_path):
         path.unlink(missing_ok=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    from pretrain.muon import matrix_flops
+    from pretrain.optim.muon import matrix_flops
 
     est = runs[0]["estimate"]
     n_matrices = 7 * 2
@@ -328,7 +328,7 @@ def test_muon_groups_by_role():
     whatever the names DeepSpeed would guess (its rule keeps `lm_head` out by name; ours is `output`)."""
     from pretrain.config import load_config
     from pretrain.model.model import Transformer
-    from pretrain.optim import muon_param_groups
+    from pretrain.optim.optimizer import muon_param_groups
 
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), ["optimizer.name=muon", "model.vocab_size=256"])
     model = Transformer(cfg.model)
@@ -351,7 +351,7 @@ def test_rate_rule_matches_torch_match_rms_adamw(shape):
     rate the product is torch.optim.Muon's match_rms_adamw rate, 0.2 sqrt(max(fan_out, fan_in))."""
     from torch.optim._muon import _adjust_lr
 
-    from pretrain.optim import muon_lr_scale
+    from pretrain.optim.optimizer import muon_lr_scale
 
     ds = math.sqrt(max(1, shape[0] / shape[1]))
     assert muon_lr_scale(shape) * ds == pytest.approx(_adjust_lr(1.0, "match_rms_adamw", torch.Size(shape)))
@@ -366,7 +366,7 @@ def test_muon_rates_under_mup_follow_the_spectral_condition(parametrization):
     sp's, and lr x weight_decay is AdamW's everywhere. (The coordinate check is in test_mup.py.)"""
     from pretrain.config import load_config
     from pretrain.model.model import Transformer
-    from pretrain.optim import muon_param_groups
+    from pretrain.optim.optimizer import muon_param_groups
 
     def steps(*over):
         cfg = load_config(str(REPO / "configs" / "tiny.yaml"), ["optimizer.name=muon", "model.vocab_size=256", *over])
@@ -444,7 +444,7 @@ def test_muon_checkpoints_resume_bitwise_and_refuse_what_they_cannot(tmp_path):
         if name == "again":
             got = losses(tmp_path / name)
             assert sorted(got) == [5, 6, 7, 8] and all(got[s] == want[s] for s in got)
-        elif name == "one":  # through pretrain/reshard.py's conversion, the momentum included
+        elif name == "one":  # through pretrain/checkpoint/reshard.py's conversion, the momentum included
             got = losses(tmp_path / name)
             assert sorted(got) == [5, 6, 7, 8] and all(got[s] == pytest.approx(want[s], rel=1e-6) for s in got), got
         else:

@@ -31,7 +31,7 @@ USER_PATH = ["model.max_seq_len=1024", "data.seq_len=1024", "train.micro_batch_s
 
 def _moves(run, step):
     """role -> median |change| of its weights over optimizer step `step` (fp32 master weights)."""
-    from pretrain.checkpoint import consolidated_state_dict
+    from pretrain.checkpoint.weights import consolidated_state_dict
 
     a, b = (consolidated_state_dict(run / "checkpoints" / f"step_{s:08d}") for s in (step - 1, step))
     out = {}
@@ -113,7 +113,7 @@ def mup_checkpoint(tmp_path_factory):
 def test_the_export_folds_the_multipliers(tmp_path, mup_checkpoint, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from pretrain.export import export, load_for_inference
+    from pretrain.hf.export import export, load_for_inference
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = export(str(mup_checkpoint), str(tmp_path / "hf"))
@@ -179,7 +179,7 @@ def test_coordinate_check_agrees_with_microsofts(tmp_path):
     from pretrain import mup as check
     from pretrain.config import load_config
     from pretrain.model.model import Transformer
-    from pretrain.optim import build_optimizer, set_lr
+    from pretrain.optim.optimizer import build_optimizer, set_lr
 
     widths, steps, seeds = [64, 128, 256, 512], 5, 3
     for over in (MUP_64, []):
@@ -223,15 +223,15 @@ MUON = ["optimizer.name=muon", "train.seed=0"]
 def test_coordinate_check_with_muon_across_width(monkeypatch):
     """optimizer.name=muon under muP, widths 64-256 (4 seeds, in process: Newton-Schulz at width 512
     on 2 CPU cores would cost minutes): every |slope| < 0.1 with the Muon groups' rates of
-    pretrain/optim.py (the base's match_adamw rate, then spectral muP). The negative control, run
+    pretrain/optim/optimizer.py (the base's match_adamw rate, then spectral muP). The negative control, run
     here: sp's rate 0.2 sqrt(fan_in) under muP (growing as sqrt(m)) gives attention-logit slopes of
     about +0.25 (measured 0.22-0.27, blocks up to +0.25). Checked by hand and left out for time:
     AdamW's 1/m times sp's rate (shrinking as 1/sqrt(m), what the groups gave before the rule) gave
     block slopes down to -0.13."""
     import math
 
-    import pretrain.optim as optim
     from pretrain import mup as check
+    import pretrain.optim.optimizer as optim
 
     widths = [64, 128, 256]
     ours = check.check(str(TINY), [*MUP_64, *MUON], widths, [], steps=10, seeds=4)["slopes"]

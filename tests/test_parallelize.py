@@ -6,9 +6,9 @@ import torch
 
 from pretrain.config import load_config
 from pretrain.model import ModelArgs, Transformer
-from pretrain.optim import param_groups
-from pretrain.parallelize import apply_activation_checkpointing, deepspeed_config
-from pretrain.schedule import lr_at
+from pretrain.optim.optimizer import param_groups
+from pretrain.optim.schedule import lr_at
+from pretrain.parallel.parallelize import apply_activation_checkpointing, deepspeed_config
 
 
 def _model(seed=0):

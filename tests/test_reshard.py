@@ -1,4 +1,4 @@
-"""A checkpoint at another layout (pretrain/reshard.py): its shards read back as whole tensors equal to
+"""A checkpoint at another layout (pretrain/checkpoint/reshard.py): its shards read back as whole tensors equal to
 DeepSpeed's own consolidation, and a resume at another world size with the optimizers and stages
 DeepSpeed's converter cannot convert (Muon at ZeRO-1, DeepSpeed's bf16 optimizer, AdamW at ZeRO-2),
 against the uninterrupted run. Tensor-parallel layouts: tests/test_tensor_parallel.py; Muon at
@@ -17,7 +17,7 @@ BASE = ["data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=
         "checkpoint.every=2", "checkpoint.keep_last=5", "model.n_layers=3"]  # (3 layers: parameters straddle ZeRO-1/2 partitions)
 
 # `pretrain train` converting every partitioned checkpoint it resumes, also at the layout it was saved at.
-CONVERT_ALWAYS = ("import sys; import pretrain.checkpoint as c; from pretrain.reshard import partitioned; "
+CONVERT_ALWAYS = ("import sys; import pretrain.checkpoint.manager as c; from pretrain.checkpoint.reshard import partitioned; "
                   "c.Start.universal = lambda self, env: self.meta is not None and partitioned(self.path); "
                   "from pretrain.cli import main; sys.exit(main())")
 
@@ -57,7 +57,7 @@ def test_a_run_resumes_at_another_world_size(tmp_path, optimizer, stage, precisi
         assert losses(same) == {s: want[s] for s in (3, 4)}
         assert _norms(same) == {s: _norms(straight)[s] for s in (3, 4)}
 
-    from pretrain.checkpoint import consolidated_state_dict
+    from pretrain.checkpoint.weights import consolidated_state_dict
 
     step4 = straight / "checkpoints" / "step_00000004"
     ours = consolidated_state_dict(step4)

@@ -17,7 +17,7 @@ import pytest
 
 from helpers import REPO, TINY, free_port, losses, pretrain, read_metrics, run_train, train_env
 from pretrain.errors import ConfigError, NonFiniteStep
-from pretrain.faults import Injector, parse
+from pretrain.faults.inject import Injector, parse
 
 BASE = ["data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", "logging.log_every=1",
         "logging.wandb=disabled", "schedule.warmup_steps=2", "distributed.zero_stage=3",
@@ -341,7 +341,7 @@ _TWO_WATCHDOGS = """
 import datetime, sys, time
 from pathlib import Path
 import torch.distributed as dist
-from pretrain.resilience import Channel, Watchdog
+from pretrain.faults.watchdog import Channel, Watchdog
 
 def client(port):
     return dist.PrefixStore("pretrain/hangs/start/", dist.TCPStore("127.0.0.1", port, is_master=False,
@@ -381,7 +381,7 @@ def test_a_rank_waits_when_its_device_has_not_reached_its_last_mark(tmp_path):
     """On a GPU a healthy rank's host can block inside the forward (the launch queue full behind a
     collective that waits for the hung peer), with no distributed frame on its stack: the watchdog
     asks the device (an event recorded at the latest mark). A device that caught up is not waiting."""
-    from pretrain.resilience import Watchdog
+    from pretrain.faults.watchdog import Watchdog
 
     class Event:
         def __init__(self, done):
@@ -405,7 +405,7 @@ def test_a_rank_waits_when_its_device_has_not_reached_its_last_mark(tmp_path):
 def test_the_first_compiled_step_does_not_set_the_timeout(tmp_path):
     """train.compile's first step compiles (minutes): it is left out of the longest step, which
     sets the learned timeout (else a 10-minute first step would allow 1620 s a step)."""
-    from pretrain.resilience import STEP_MULTIPLE, Watchdog
+    from pretrain.faults.watchdog import STEP_MULTIPLE, Watchdog
 
     for compiles, want in ((True, STEP_MULTIPLE * 70.0), (False, 0.9 * 1800)):
         wd = Watchdog(tmp_path, 0, ["h"], 0.0, 1800.0, None, first_step_compiles=compiles)
@@ -427,7 +427,7 @@ def test_the_hang_timeout_leaves_room_for_the_report():
 
 
 def test_a_straggler_is_the_same_rank_three_log_steps_in_a_row(caplog):
-    from pretrain.resilience import Stragglers
+    from pretrain.faults.stragglers import Stragglers
 
     report = Stragglers(["a", "b", "c"], warn=1.2)
     slow = {0: [(2.0, 1.0), (1.0, 1.0), (1.0, 1.0)], 1: [(1.0, 1.0), (2.0, 1.0), (1.0, 1.0)]}
@@ -484,7 +484,7 @@ def test_a_bad_fault_is_recorded_as_a_user_error(tmp_path):
 # the process group exists (the handler already saw it) or after (the start-up's collective check).
 _STARTUP_SIGNAL = """
 import signal, sys
-from pretrain import distributed
+from pretrain.parallel import distributed
 from pretrain.train import StopSignal, run
 stop = StopSignal()
 if sys.argv[1] == "before":
@@ -589,7 +589,7 @@ def test_no_checkpoint_to_roll_back_to_names_the_cause(tmp_path):
     from types import SimpleNamespace
 
     from pretrain.config import ResilienceConfig
-    from pretrain.resilience import Rollbacks
+    from pretrain.faults.spikes import Rollbacks
 
     r = ResilienceConfig(rollback_after=2, rollback_window=50)
     for every, cause in ((5, r"rotation \(checkpoint.keep_last=2\) removed the ones before them"),

@@ -118,7 +118,7 @@ def test_skipped_steps_advance_the_schedule_and_log_the_rate_they_used(tmp_path,
     dropped (a NaN loss, on_nonfinite=skip): its weights do not move, and the schedule still
     advances past it (step 4 uses step 4's rate, not step 3's). At stage 0 our guard is what drops
     it; at ZeRO-3 DeepSpeed's own overflow check does it first."""
-    from pretrain.checkpoint import consolidated_state_dict
+    from pretrain.checkpoint.weights import consolidated_state_dict
 
     over = O + ["optimizer.lr=1e-3", "optimizer.beta1=0", "optimizer.beta2=0", "optimizer.weight_decay=0",
                 "optimizer.grad_clip=0", "schedule.warmup_steps=2", "schedule.decay_steps=4", "schedule.min_lr=0",
@@ -186,7 +186,7 @@ def test_a_full_disk_during_a_save(tmp_path):
     assert "no space left on the device of" in lines[0] and "step_00000002 is intact" in lines[0]
     ckpts = out / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step_00000002"]  # no .partial_ left
-    from pretrain.checkpoint import open_checkpoint
+    from pretrain.checkpoint.layout import open_checkpoint
 
     open_checkpoint(ckpts / "step_00000002")  # intact
 

@@ -13,7 +13,7 @@ from helpers import REPO, TINY, read_metrics, run_train
 from pretrain.cli import main
 from pretrain.config import load_config
 from pretrain.model.model import Transformer
-from pretrain.schedule import Schedule
+from pretrain.optim.schedule import Schedule
 from pretrain.scaling import fit as F
 
 SCALING_TINY = REPO / "configs" / "scaling_tiny.yaml"
@@ -532,7 +532,7 @@ def test_unwritable_outputs_are_one_line(tmp_path, capsys):
 def test_scaling_run_nproc_trains_on_that_many_ranks_and_failed_runs_exit_2(tmp_path, capfd):
     """`scaling run --nproc 2` trains a run under torchrun with 2 ranks; a sweep whose runs fail goes
     on with the others, then names the failed ones in one line and exits 2 (finished runs skipped)."""
-    from pretrain.checkpoint import read_meta
+    from pretrain.checkpoint.layout import read_meta
     from pretrain.scaling.run import planned_runs
 
     sweep = tmp_path / "sweep"

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from pretrain.cli import main
-from pretrain.scaling import compare as C
-from pretrain.scaling import fit as F
+from pretrain.scaling import compare as C, fit as F
 
 LAW_A = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}  # Chinchilla's (Hoffmann et al. eq. 10)
 K = 2.0

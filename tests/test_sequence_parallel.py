@@ -76,10 +76,9 @@ def test_a_size_that_does_not_divide_the_world_is_one_line_and_exit_2(tmp_path):
 _EXACT = r"""
 import copy, json, sys, torch, torch.distributed as dist, torch.nn.functional as F
 import data_pipeline as dp
-from pretrain import distributed
-from pretrain import ulysses
 from pretrain.model.args import ModelArgs
 from pretrain.model.model import Transformer
+from pretrain.parallel import distributed, ulysses
 
 sp = int(sys.argv[1])
 env = distributed.init("gloo")
@@ -293,7 +292,7 @@ def test_sequence_parallel_training_equals_one_rank(tmp_path, precision, stage, 
         # Adam's eps-scale updates moved apart by a few 1e-6)
         assert norms[1][step] == pytest.approx(norms[0][step], rel=rel if step == 1 else max(rel, 1e-4)), (step, norms)
     assert two_eval == pytest.approx(one_eval, rel=rel)
-    from pretrain.checkpoint import consolidated_state_dict
+    from pretrain.checkpoint.weights import consolidated_state_dict
 
     a, b = (consolidated_state_dict(tmp_path / run / "checkpoints" / "step_00000003") for run in ("sp1", "sp2"))
     for name in a:  # (relative Frobenius norm: Adam magnifies gradients near its eps; bf16 its rounding)

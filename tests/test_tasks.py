@@ -1,4 +1,4 @@
-"""Downstream tasks (pretrain/tasks/): formats, the hub schemas, scoring equal to
+"""Downstream tasks (pretrain/eval/tasks/): formats, the hub schemas, scoring equal to
 lm-evaluation-harness (its HFLM on our export, over the same local files), `pretrain eval --tasks`
 equal at 1 and 2 ranks, and bad input in one line."""
 
@@ -13,8 +13,8 @@ import pytest
 from helpers import free_port, run_train
 from pretrain.cli import main
 from pretrain.errors import UserError
-from pretrain.tasks import Instance, load, metrics
-from pretrain.tasks.scoring import encode_pair
+from pretrain.eval.tasks import Instance, load, metrics
+from pretrain.eval.tasks.scoring import encode_pair
 
 # ------------------------------------------------------------------------- formats (fast tier)
 
@@ -125,7 +125,7 @@ def test_requests_the_model_cannot_score_are_one_line_and_cut_contexts_are_warne
     import torch
 
     from data_pipeline.tokenizer import load_tokenizer
-    from pretrain.tasks import TaskSuite
+    from pretrain.eval.tasks import TaskSuite
 
     tok = load_tokenizer("builtin:python-docs-bpe")
     words = " the value of a list is returned by the function" * 4
@@ -152,7 +152,7 @@ def test_checking_thousands_of_requests_is_progress_the_hang_watchdog_sees(tmp_p
     import torch
 
     from data_pipeline.tokenizer import load_tokenizer
-    from pretrain.tasks import TaskSuite
+    from pretrain.eval.tasks import TaskSuite
 
     tok = load_tokenizer("builtin:python-docs-bpe")
     (tmp_path / "many.jsonl").write_text("".join(json.dumps({"context": f"Call {i} returns", "continuation": " a value"})
@@ -170,7 +170,7 @@ def test_checking_thousands_of_requests_is_progress_the_hang_watchdog_sees(tmp_p
 def test_few_shot_examples_come_from_every_row_never_the_instance_itself(tmp_path):
     """--limit 3 --fewshot 3 with 15 rows: the pool is the 15 rows (limit shrank it to 3 and refused
     "has 3 examples"); an instance never demonstrates itself; where the pool came from is said."""
-    from pretrain.tasks.scoring import fewshot_prefix
+    from pretrain.eval.tasks.scoring import fewshot_prefix
 
     rows = [{"context": f"Q{i}:", "choices": [f"a{i}", f"b{i}"], "gold": 0} for i in range(15)]
     path = tmp_path / "mine.jsonl"

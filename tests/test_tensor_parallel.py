@@ -11,7 +11,7 @@ import torch
 from helpers import REPO, free_port, losses, pretrain, read_metrics, run_train, tokens_drawn_are_tokens_seen, train_env
 
 from pretrain.config import load_config
-from pretrain.parallelize import TP_SPLITS, deepspeed_config, tensor_parallel_dim
+from pretrain.parallel.parallelize import TP_SPLITS, deepspeed_config, tensor_parallel_dim
 
 TINY = REPO / "configs" / "tiny.yaml"
 
@@ -71,10 +71,10 @@ def test_the_deepspeed_config_splits_only_the_block_matrices():
 
 _SHARDS = r"""
 import json, sys, torch, deepspeed
-from pretrain import distributed
 from pretrain.config import load_config
 from pretrain.model.model import Transformer
-from pretrain.parallelize import build_engine, build_model, deepspeed_config, tensor_parallel_dim
+from pretrain.parallel import distributed
+from pretrain.parallel.parallelize import build_engine, build_model, deepspeed_config, tensor_parallel_dim
 
 tp, stage = int(sys.argv[1]), int(sys.argv[2])
 env = distributed.init("gloo")
@@ -198,7 +198,7 @@ def test_tp2_by_dp2_on_four_ranks_trains_resumes_and_evaluates_as_tp1(tmp_path):
     assert (meta["tensor_parallel"], meta["data_parallel"], meta["sequence_parallel"], meta["world_size"]) == (2, 2, 1, 4)
 
     # Another layout, from step 2's checkpoint: TP 2 x DP 1 on 2 ranks and TP 1 on 1 rank, through a
-    # universal conversion (pretrain/reshard.py: every rank's slices joined, cut again for the new
+    # universal conversion (pretrain/checkpoint/reshard.py: every rank's slices joined, cut again for the new
     # layout), continue as the uninterrupted run.
     step2 = four / "checkpoints" / "step_00000002"
     for nproc, tp in [(2, 2), (1, 1)]:
@@ -211,7 +211,7 @@ def test_tp2_by_dp2_on_four_ranks_trains_resumes_and_evaluates_as_tp1(tmp_path):
             assert got[step] == pytest.approx(want[step], rel=1e-6), (nproc, tp, step, want, got)
 
     # Consolidated: the TP=1 model's weights and numbers.
-    from pretrain.checkpoint import consolidated_state_dict
+    from pretrain.checkpoint.weights import consolidated_state_dict
 
     w1 = consolidated_state_dict(one / "checkpoints" / "step_00000004")
     w2 = consolidated_state_dict(four / "checkpoints" / "step_00000004")
@@ -235,7 +235,7 @@ def _norms(run) -> dict[int, float]:
 
 
 def _weights(run, step: int) -> dict:
-    from pretrain.checkpoint import consolidated_state_dict
+    from pretrain.checkpoint.weights import consolidated_state_dict
 
     return consolidated_state_dict(run / "checkpoints" / f"step_{step:08d}")
 

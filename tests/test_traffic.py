@@ -1,4 +1,4 @@
-"""The collective count (pretrain/traffic.py): known collectives of known sizes on real ranks, intra-
+"""The collective count (pretrain/parallel/traffic.py): known collectives of known sizes on real ranks, intra-
 and inter-node; one ZeRO-3 step of real training against the volume worked out by hand and against
 the estimate; the comm/* metrics in metrics.jsonl."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from helpers import REPO, TINY, free_port, read_metrics, run_train, train_env
 from pretrain.config import load_config
-from pretrain.estimate import comm_volume, zero3_gathered
+from pretrain.estimate.comm import comm_volume, zero3_gathered
 from pretrain.model.args import PRESETS, ModelArgs
 from pretrain.model.model import num_params
 
@@ -22,8 +22,8 @@ KNOWN = r"""
 import json, os, sys
 import torch
 import torch.distributed as dist
-from pretrain import distributed
-from pretrain.traffic import Traffic
+from pretrain.parallel import distributed
+from pretrain.parallel.traffic import Traffic
 
 dist.init_process_group("gloo")
 rank, n = dist.get_rank(), dist.get_world_size()
@@ -119,7 +119,8 @@ ZERO3 = ["model.vocab_size=4096", "data.seq_len=64", "train.micro_batch_size=1",
 def zero3_step(nproc: int, k: int, ac: int) -> tuple[list[dict], dict, dict]:
     """Train the tiny model (4096 tokens: N = 1,836,160) 2 steps on `nproc` ranks, k micro-batches each;
     its training records, the volume by hand and the estimate's."""
-    from pretrain.estimate import GIB, Assumptions, estimate
+    from pretrain.estimate.memory import GIB
+    from pretrain.estimate.report import Assumptions, estimate
 
     overrides = ZERO3 + [f"train.global_batch_size={nproc * k}", f"train.activation_checkpointing={ac}"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -182,8 +183,8 @@ def test_zero3_step_without_checkpointing(nproc, k, ac):
 def test_ranks_per_node_under_a_bare_srun(monkeypatch):
     """srun without torchrun: Slurm's tasks per node ("2(x2)": 2 on each of 2 nodes) become
     LOCAL_WORLD_SIZE, which tells nodes apart."""
-    from pretrain import distributed
-    from pretrain.traffic import local_world_size
+    from pretrain.parallel import distributed
+    from pretrain.parallel.traffic import local_world_size
 
     env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_TASKS_PER_NODE": "2(x2)",
            "MASTER_ADDR": "node1"}
@@ -211,7 +212,8 @@ def test_tensor_parallel_all_reduces_counted_as_estimated():
     DeepSpeed's norm's. Per block and micro-batch that is 7 of the b T D activations (2 in forward
     after wo and w2, 5 in backward: AutoTP's wq, wk, wv, w1 and w3 each all-reduce their input's
     gradient) and 1 more in a checkpointed block's recomputation (wo's), not 4 + 2."""
-    from pretrain.estimate import GIB, Assumptions, estimate
+    from pretrain.estimate.memory import GIB
+    from pretrain.estimate.report import Assumptions, estimate
 
     overrides = ["distributed.tensor_parallel=2", "train.global_batch_size=2", "train.activation_checkpointing=2"]
     last = _counted_step(overrides)
@@ -232,7 +234,7 @@ def test_muon_step_all_to_all_counted_and_timed_within_the_node():
     estimate times them at the in-node bandwidth, not the network's; across nodes at the network's.
     The reduce bucket holds every matrix: one batch of them, of which each rank owns some, so each
     sends in both all-to-alls (traffic.py fails to count an all-to-all with an empty input)."""
-    from pretrain.estimate import Assumptions, estimate
+    from pretrain.estimate.report import Assumptions, estimate
 
     muon = ["optimizer.name=muon", "train.global_batch_size=2", "distributed.reduce_bucket_size=10000000"]
     last = _counted_step(muon)
@@ -253,7 +255,7 @@ def test_an_all_to_all_that_sends_no_rows_counts_nothing():
     logging.comm_bytes."""
     import torch
 
-    from pretrain.traffic import _alltoall_sent
+    from pretrain.parallel.traffic import _alltoall_sent
 
     assert _alltoall_sent((None, torch.empty(0, 4), None, [0, 0], [0, 0]), 2, 0) == 0
     assert _alltoall_sent((None, torch.ones(6, 4), None, [3, 3], [2, 4]), 2, 0) == 4 * 4 * 4  # 4 rows of 4 floats

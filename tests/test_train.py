@@ -143,7 +143,7 @@ def test_nonfinite_loss_stops_before_corrupting(tmp_path):
 def test_nonfinite_loss_skip_leaves_weights_untouched(tmp_path):
     """lr=1e30 makes step 1's update blow the weights up, so every later loss is NaN: with skip,
     the run goes on, and none of those steps changes a weight."""
-    from pretrain.checkpoint import consolidated_state_dict
+    from pretrain.checkpoint.weights import consolidated_state_dict
 
     run_train(SMALL + ["optimizer.lr=1e30", "schedule.warmup_steps=0", "train.max_steps=4",
                        "train.on_nonfinite=skip", "checkpoint.every=1", "checkpoint.keep_last=10",

@@ -75,8 +75,8 @@ def _preload() -> None:
     import data_pipeline.loader  # noqa: F401
     import pretrain.build  # noqa: F401
     import pretrain.cli  # noqa: F401
-    import pretrain.evaluate  # noqa: F401
-    import pretrain.export  # noqa: F401
+    import pretrain.eval.evaluate  # noqa: F401
+    import pretrain.hf.export  # noqa: F401
     import pretrain.train  # noqa: F401
     import pretrain.trainer  # noqa: F401
 

@@ -58,7 +58,7 @@ class ModelArgs:
     # muP (Yang et al. 2022, Tensor Programs V) and CompleteP (Dey et al. 2025, depth-muP with
     # alpha = 1): the multipliers the model applies. All are 1 (and unused) under sp, and at the base
     # shape, so the base model is the same function in every parametrization. The optimizer's rules
-    # are in pretrain/optim.py.
+    # are in pretrain/optim/optimizer.py.
     @property
     def document_eot(self) -> int | None:
         """The separator whose documents the attention keeps apart (model.document_mask), else None:

@@ -164,7 +164,7 @@ class Attention(nn.Module):
         """Attention of q (B, T, H, hd) over k, v (B, S, KV, hd) -> (B, T, H, hd). Causal when `mask`
         is None (and T > 1); else a boolean mask (True = attend) or a FlexAttention BlockMask.
         Sequence parallelism replaces this method on each layer with the all-to-all exchange around
-        it (pretrain/ulysses.py): heads of the whole sequence in, the same layout out."""
+        it (pretrain/parallel/ulysses.py): heads of the whole sequence in, the same layout out."""
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T or S, hd)
         gqa = k.size(1) != q.size(1)  # the kernel shares each KV head across its query group without copying
         if isinstance(mask, BlockMask):

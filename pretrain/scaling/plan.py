@@ -371,7 +371,7 @@ def differences(old: dict, new: dict) -> list[str]:
 def trained_config(run_dir: Path) -> dict | None:
     """The config a run was last trained under: its newest complete checkpoint's (else the run
     dir's config.yaml); None if it never started."""
-    from pretrain.checkpoint import complete_checkpoints
+    from pretrain.checkpoint.layout import complete_checkpoints
 
     done = complete_checkpoints(run_dir / "checkpoints")
     path = done[-1] / "config.yaml" if done else run_dir / "config.yaml"

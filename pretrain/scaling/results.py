@@ -83,7 +83,7 @@ def _items(cfg, task: str) -> int:
     """The instances `task` is scored on in a run of `cfg` (train.eval_tasks, eval_task_limit); 0 when
     its files cannot be read now (the ladder then takes the points' scatter as their noise)."""
     from pretrain.errors import UserError
-    from pretrain.tasks import task_name
+    from pretrain.eval.tasks import task_name
 
     for spec in cfg.train.eval_tasks:
         if task_name(spec) == task:
@@ -96,7 +96,7 @@ def _items(cfg, task: str) -> int:
 
 @functools.cache  # (a sweep's runs share their task files: each is read once)
 def _count(spec: str, limit: int) -> int:
-    from pretrain.tasks import load
+    from pretrain.eval.tasks import load
 
     return len(load(spec, limit)[0])
 

@@ -41,7 +41,7 @@ def _train(cmd: list[str]) -> tuple[int, bool]:
 
 
 def finished(run_dir: Path, steps: int) -> bool:
-    from pretrain.checkpoint import complete_checkpoints, read_meta
+    from pretrain.checkpoint.layout import complete_checkpoints, read_meta
 
     done = complete_checkpoints(run_dir / "checkpoints")
     return bool(done) and read_meta(done[-1])["step"] >= steps

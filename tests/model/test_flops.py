@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pretrain.model.args import PRESETS, ModelArgs
 from pretrain.model.model import Transformer, flops_per_token
-from pretrain.parallelize import apply_activation_checkpointing
+from pretrain.parallel.parallelize import apply_activation_checkpointing
 
 SEQ_LEN = 256
 

@@ -121,10 +121,10 @@ def cli_model():
 
 
 def test_generate_command_passes_top_p_temperature_and_seed(cli_model, monkeypatch, capsys):
-    import pretrain.export
     from pretrain.cli import main
+    import pretrain.hf.export
 
-    monkeypatch.setattr(pretrain.export, "load_for_inference", lambda path, device="cpu", verified=False: cli_model)
+    monkeypatch.setattr(pretrain.hf.export, "load_for_inference", lambda path, device="cpu", verified=False: cli_model)
 
     def generate(*flags):
         assert main(["generate", "model-dir", "--prompt", "The", "--max-new-tokens", "16", *flags]) == 0

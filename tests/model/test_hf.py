@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
+from pretrain.hf.mapping import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
 from pretrain.model.args import ModelArgs
-from pretrain.model.hf import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
 from pretrain.model.model import Transformer, num_params
 
 transformers = pytest.importorskip("transformers")
@@ -152,7 +152,7 @@ def test_llama3_rope_scaling_matches_hf_past_the_original_context(tied):
 
 def test_config_json_of_4x_and_5x_read_the_same():
     """transformers 4.x writes `rope_theta` and `rope_scaling`, 5.x `rope_parameters`."""
-    from pretrain.model.hf import from_hf_dict
+    from pretrain.hf.mapping import from_hf_dict
 
     base = dict(model_type="llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                 num_hidden_layers=2, intermediate_size=160, vocab_size=256, max_position_embeddings=256)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from pretrain.config import load_config
+from pretrain.hf.mapping import fold_multipliers, to_hf_config, to_hf_state_dict
 from pretrain.model.args import PRESETS, ModelArgs
-from pretrain.model.hf import fold_multipliers, to_hf_config, to_hf_state_dict
 from pretrain.model.model import Transformer
-from pretrain.optim import param_groups
+from pretrain.optim.optimizer import param_groups
 
 transformers = pytest.importorskip("transformers")
 
@@ -214,7 +214,7 @@ def test_every_roles_gradient_shrinks_as_one_over_m():
     included, falls as 1/m (log-log slopes near -1), so an eps kept at the base's would weigh m
     times more in a wide model's update."""
     from pretrain.mup import slope
-    from pretrain.optim import role
+    from pretrain.optim.optimizer import role
     from pretrain.scaling.plan import grown
 
     base = args_of(dim=64, n_heads=2, n_kv_heads=1, multiple_of=64, parametrization="mup", mup_base_dim=64,

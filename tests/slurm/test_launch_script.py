@@ -150,7 +150,7 @@ def test_restarts_never_take_another_jobs_rendezvous_port(job):
     mine, after, before = _rdzv_ports(job), _rdzv_ports(job + 1), _rdzv_ports(job - 1)
     assert len(set(mine)) == 16 and not set(mine) & (set(after) | set(before))
     assert all(15000 <= p <= 29999 for p in mine + after + before)
-    assert mine[0] == 15000 + job % 937 * 16  # (pretrain/distributed.py's rule for a bare srun)
+    assert mine[0] == 15000 + job % 937 * 16  # (pretrain/parallel/distributed.py's rule for a bare srun)
 
 
 def test_more_restarts_than_the_ports_of_a_job_is_one_line():

@@ -179,7 +179,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(requeued, tmp_path):
     # seen twice.
     assert train_steps(run_dir) == list(range(1, max_steps + 1))
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    from pretrain.schedule import lr_at
+    from pretrain.optim.schedule import lr_at
 
     s, peak = cfg["schedule"], cfg["optimizer"]["lr"]
     decay = s["decay_steps"] or max(1, max_steps - s["warmup_steps"])
@@ -331,7 +331,7 @@ def test_scancel_stops_for_good(slurm_cluster, tmp_path):
     assert state == "CANCELLED", state
     assert "scontrol requeue" not in r.output and "(restart 1)" not in r.output
     assert "DUE TO JOB REQUEUE" not in r.output
-    from pretrain.checkpoint import open_checkpoint
+    from pretrain.checkpoint.layout import open_checkpoint
 
     steps = sorted(tmp_path.glob("checkpoints/step_*"))
     assert steps, tail(r.output)  # checkpoint.every=2 saved before the cancel

@@ -17,7 +17,7 @@ under other values (no weight depends on them), e.g. a checkpoint past the conte
 Every rank holds the whole model (no ZeRO: scoring needs no optimizer state) and scores global
 sequences rank, rank + W, ...; the sums are reduced, so the result is the same at any world size.
 
-`--tasks T1,T2 [--limit N] [--fewshot K]` scores downstream tasks instead (pretrain/tasks/,
+`--tasks T1,T2 [--limit N] [--fewshot K]` scores downstream tasks instead (pretrain/eval/tasks/,
 docs/evaluation.md).
 """
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pretrain import tasks
+from pretrain.eval import tasks
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def evaluate(model, tokenizer, cfg, env, batches: int = 0, micro_batch_size: int
     end excluded), "loss" (mean nats per token), "tokens"}. Position t is the prediction of the
     window's token t + 1 from the t + 1 tokens before it (packed windows: across documents)."""
     import data_pipeline as dp
-    from pretrain import distributed
+    from pretrain.parallel import distributed
 
     sequences = batches * cfg.global_batch(trained_world) if batches else 0
     windows = dp.evaluation_windows(cfg.data, tokenizer, env.rank, env.world_size, sequences)
@@ -149,7 +149,7 @@ def _token_losses(model, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[to
 
 
 def eval_cli(args) -> None:
-    from pretrain import distributed
+    from pretrain.parallel import distributed
 
     if args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         args.overrides, args.config = [args.config, *args.overrides], None  # overrides without a CONFIG
@@ -179,9 +179,10 @@ def eval_cli(args) -> None:
 
 
 def _eval(args, env) -> None:
-    from pretrain import distributed, hub
-    from pretrain.checkpoint import open_checkpoint
-    from pretrain.export import load_for_inference
+    from pretrain.checkpoint.layout import open_checkpoint
+    from pretrain.hf import hub
+    from pretrain.hf.export import load_for_inference
+    from pretrain.parallel import distributed
 
     is_hf = hub.is_hf_model(args.model)
     path, meta = (hub.resolve(args.model), {}) if is_hf else distributed.agree(lambda: open_checkpoint(args.model))
@@ -240,7 +241,7 @@ def _rope_overrides(overrides: list[str]) -> list[str]:
 
 
 def _eval_tasks(args, env, path, model, tokenizer, eot, suite) -> None:
-    from pretrain import distributed
+    from pretrain.parallel import distributed
 
     if eot is None:
         from pretrain.errors import UserError

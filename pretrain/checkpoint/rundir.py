@@ -4,7 +4,7 @@
         .lock              POSIX lock held by rank 0 while a run uses the dir; names the holder
         run.json           the run that owns the dir: its id (also its W&B run id), version, commit
         config.yaml        the resolved config      deepspeed_config.json   generated from it
-        metrics.jsonl      every logged record      checkpoints/            see checkpoint.py
+        metrics.jsonl      every logged record      checkpoints/            see layout.py
         replaced/<id>/     an earlier run's files, moved aside by train.overwrite=true
 
 The lock is a POSIX record lock (`fcntl.lockf`): the kernel releases it when the process dies,
@@ -30,8 +30,8 @@ import socket
 import time
 from pathlib import Path
 
-from pretrain import distributed
 from pretrain.errors import RunDirError, collective
+from pretrain.parallel import distributed
 
 log = logging.getLogger(__name__)
 

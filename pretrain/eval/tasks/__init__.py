@@ -3,8 +3,8 @@ lm-evaluation-harness scores them: `pretrain eval MODEL --tasks ...` and the in-
 the same `TaskSuite`. The model and the trainer know nothing of tasks: they hand over a function from
 tokens to logits (docs/evaluation.md)."""
 
-from pretrain.tasks.formats import FORMATS, Instance, metrics
-from pretrain.tasks.loaders import TASKS, load, task_name
-from pretrain.tasks.scoring import TaskSuite, loglikelihoods
+from pretrain.eval.tasks.formats import FORMATS, Instance, metrics
+from pretrain.eval.tasks.loaders import TASKS, load, task_name
+from pretrain.eval.tasks.scoring import TaskSuite, loglikelihoods
 
 __all__ = ["FORMATS", "Instance", "TASKS", "TaskSuite", "load", "loglikelihoods", "metrics", "task_name"]

@@ -1,5 +1,5 @@
-"""Hangs named, stragglers found, spikes survived: a watchdog thread per rank, the straggler
-report, the spike detector and the rollback ledger (docs/reliability.md).
+"""Hangs named: a watchdog thread per rank (docs/reliability.md). The same thread samples the waits
+that the straggler report (pretrain/faults/stragglers.py) subtracts.
 
 The trainer marks each phase of a step as it enters it (`mark`: a few attribute writes, no sync),
 and long phases (evaluation, data skipped after a rollback, a checkpoint conversion) mark progress
@@ -40,14 +40,6 @@ save, a decay branch's restore), between their progress marks. Always HANG_EXIT_
 collective timeout (`distributed.timeout_s`), so that the watchdog, which names the rank, finishes
 its report before a collective times out.
 
-Stragglers: the same thread samples, 50 times a second, whether the main thread waits for other
-ranks (on the host: the phase or the stack); at each log step the trainer gathers every rank's busy
-time (the window's time less its sampled waiting) and data wait over the CPU group and logs the
-slowest rank, its host and its busy time over the median's. A slow rank is busy longer, its peers
-wait for it: the all-reduce evens out their step times, not this. On a GPU, host sampling sees a
-slow host (data, CPU, Python), not a slow GPU, whose wait shows up on every rank alike: ComputeClock
-times each rank's own compute on the device for that (docs/reliability.md).
-
 A watchdog in our own code, not a library's: torch's NCCL watchdog covers NCCL collectives only
 (not gloo, data loading or a frozen process) and names no rank; nvidia-resiliency-ext's in-job
 restarts need its own launcher.
@@ -59,17 +51,14 @@ import faulthandler
 import json
 import logging
 import os
-import statistics
 import sys
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
 import torch
 
 from pretrain.config import HANG_EXIT_S, IO_TIMEOUT_S, REPORT_WAIT_S, STORE_TIMEOUT_S  # (the report's waits)
-from pretrain.errors import NonFiniteStep
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +71,11 @@ WAITING = "collective"  # a rank in this phase waits for the others
 POLL_S = 0.02  # the sampling interval (the timeout is checked at the same time)
 LISTEN_S = 24 * 3600.0  # a listener's blocking wait for the next report's call is renewed after this
 EXIT_FILE = "PRETRAIN_EXIT_FILE"  # set by slurm/pretrain.sbatch: where a start records how it ended
-STRAGGLER_STREAK = 3  # log steps in a row with the same rank over resilience.straggler_warn before the warning
 
 
 class Channel:
     """The hang reports' messages, in a key-value store every rank reaches (the rendezvous store,
-    pretrain.distributed.side_store: a TCPStore). Reports are numbered: `latest` is the newest one
+    pretrain.parallel.distributed.side_store: a TCPStore). Reports are numbered: `latest` is the newest one
     asked for; report g has its asking rank (the first to add to g/asked), a call to each rank
     (g/call/R, set for every rank at once when the report is asked), each rank's answer and a
     verdict ("" when no rank hangs: the run goes on).
@@ -488,227 +476,3 @@ def verdict(seen: dict[int, dict], hosts: list[str], idle: float,
     return f"hang at step {step}: no progress for {idle:.0f} s; {what}", named
 
 
-class ComputeClock:
-    """Each rank's own compute time, without its waits for other ranks: forwards with no collective
-    inside. At ZeRO 0-2 that is the model's whole forward; at ZeRO-3, which gathers parameters in
-    hooks on every module, the forward of each module that holds parameters (the matmuls and norms,
-    recomputed ones included), timed from after its gather to its end: these hooks are registered
-    after DeepSpeed's, so they run after them. A slow GPU is slow here and only here: host sampling
-    (Watchdog) cannot see it, since every rank then waits alike at the step's one host read.
-
-    On a GPU the marks are CUDA events on the current stream, read at log steps (`take`), when the
-    step's host read has already passed them: no sync is added, and a mark not yet reached is left
-    for the next window. On a CPU they are the host clock. Kept out of compiled graphs, as
-    DeepSpeed's own hooks are (train.compile)."""
-
-    def __init__(self, model: torch.nn.Module, device: torch.device, zero_stage: int):
-        self.cuda = device.type == "cuda"
-        self.open: list = []  # start marks of modules in their forward
-        self.marks: list = []  # (start, end) marks not yet read
-        timed = [model] if zero_stage < 3 else [
-            m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
-        self.handles = [h for m in timed for h in (m.register_forward_pre_hook(self._start),
-                                                   m.register_forward_hook(self._end))]
-
-    def _now(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    @torch.compiler.disable
-    def _start(self, module, args) -> None:
-        self.open.append(self._now())
-
-    @torch.compiler.disable
-    def _end(self, module, args, output) -> None:
-        if self.open:
-            self.marks.append((self.open.pop(), self._now()))
-
-    def take(self) -> float:
-        """Compute seconds since the last call."""
-        if not self.cuda:
-            seconds = sum(end - start for start, end in self.marks)
-            self.marks = []
-            return seconds
-        ms, left = 0.0, []
-        for start, end in self.marks:
-            if end.query():
-                ms += start.elapsed_time(end)
-            else:
-                left.append((start, end))
-        self.marks = left
-        return ms / 1000
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-class Stragglers:
-    """The straggler metrics of each log window, and a warning when one rank stays slow. Two views:
-    host time (a rank's window less its sampled waits: a slow host, data loading, Python) and
-    compute time (ComputeClock: a slow GPU); the report takes the one with the larger ratio."""
-
-    def __init__(self, hosts: list[str], warn: float):
-        self.hosts, self.warn, self.streak = hosts, warn, 0
-        self.streak_rank = -1  # the rank the streak is of
-
-    def __call__(self, times: list[tuple[float, float]]) -> dict:
-        """`times`: every rank's (busy host seconds, compute seconds) in the window."""
-        views = {}
-        for i, view in enumerate(("host", "compute")):
-            t = [x[i] for x in times]
-            slowest = max(range(len(t)), key=t.__getitem__)
-            median = statistics.median(t)
-            views[view] = (t[slowest] / median if median > 0 else 1.0, slowest)
-        view = max(views, key=lambda v: views[v][0])
-        ratio, slowest = views[view]
-        slow = bool(self.warn) and ratio > self.warn
-        self.streak = self.streak + 1 if slow and slowest == self.streak_rank else int(slow)
-        self.streak_rank = slowest if slow else -1
-        if self.streak == STRAGGLER_STREAK:
-            log.warning("warning: rank %d (host %s) is a straggler: its %s time is %.2fx the median rank's for %d "
-                        "log steps in a row (resilience.straggler_warn=%g); every rank waits for it", slowest,
-                        self.hosts[slowest], view, ratio, self.streak, self.warn)
-        return {"perf/slowest_rank": slowest, "perf/slowest_host": self.hosts[slowest],
-                "perf/straggler_ratio": ratio, "perf/straggler_ratio_host": views["host"][0],
-                "perf/straggler_ratio_compute": views["compute"][0]}
-
-
-class Spikes:
-    """Loss spikes, as OLMo-core's skip-step optimizer finds them: a step whose loss or gradient
-    norm is above the mean + `sigma` standard deviations of the last `window` applied steps (once
-    `warmup` of them are known) has its update dropped. Decided from the values the step reads on
-    the host anyway (the global loss and norm: the same on every rank); the history is saved in
-    checkpoints, so a resume decides the same."""
-
-    def __init__(self, sigma: float, window: int, warmup: int):
-        self.sigma, self.warmup = sigma, warmup
-        self.losses: deque = deque(maxlen=window)
-        self.norms: deque = deque(maxlen=window)
-
-    def check(self, loss: float, norm: float) -> str:
-        """Why this step is a spike ("" if it is not)."""
-        if not self.sigma or len(self.losses) < self.warmup:
-            return ""
-        for name, value, history in (("loss", loss, self.losses), ("gradient norm", norm, self.norms)):
-            mean, std = statistics.fmean(history), statistics.pstdev(history)
-            if value > mean + self.sigma * std:
-                return (f"{name} {value:.4g} is above the mean {mean:.4g} + {self.sigma:g} x {std:.3g} of the last "
-                        f"{len(history)} steps")
-        return ""
-
-    def accept(self, loss: float, norm: float) -> None:
-        self.losses.append(loss)
-        self.norms.append(norm)
-
-    def state_dict(self) -> dict:
-        return {"losses": list(self.losses), "norms": list(self.norms)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.losses.clear()
-        self.norms.clear()
-        self.losses.extend(state.get("losses", []))
-        self.norms.extend(state.get("norms", []))
-
-
-class Rollbacks:
-    """The second rung after dropping spikes (PaLM): `rollback_after` spikes within
-    `rollback_window` steps bring the run back to its newest checkpoint before the first of them,
-    and the data from that step on is skipped (`rollback_skip_batches` global batches). Past
-    `max_rollbacks`, the run stops (exit 3).
-
-    Owns the ledger: step -> global batches to skip just before it (resilience.skip_batches, and
-    each rollback's), the steps of recent spikes, and the rollbacks so far. It is saved in every
-    checkpoint (through the trainer's state) and, when a rollback happens, at once in
-    RUN/rollbacks.json (durably), so that a run killed before its next checkpoint still skips that
-    data and still counts the rollback against max_rollbacks when it resumes."""
-
-    FILE = "rollbacks.json"
-
-    def __init__(self, cfg, run_dir: Path, run_id: str, is_main: bool, accum: int):
-        self.cfg, self.path, self.run_id, self.is_main, self.accum = cfg, run_dir / self.FILE, run_id, is_main, accum
-        self.data_skips = {int(step): int(n) for step, n in cfg.skip_batches}
-        self.recent_spikes: list[int] = []
-        self.rollbacks = 0
-        self._merge_durable()
-
-    def state_dict(self) -> dict:
-        return {"data_skips": {str(k): v for k, v in self.data_skips.items()}, "recent_spikes": self.recent_spikes,
-                "rollbacks": self.rollbacks}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Merged with what this object knows (the ledger of a run only grows: a rollback restores
-        a checkpoint older than its own decision) and with RUN/rollbacks.json."""
-        self.data_skips.update({int(k): v for k, v in state.get("data_skips", {}).items()})
-        self.recent_spikes = list(state.get("recent_spikes", []))
-        self.rollbacks = max(self.rollbacks, state.get("rollbacks", 0))
-        self._merge_durable()
-
-    def _merge_durable(self) -> None:
-        """What RUN/rollbacks.json adds: rollbacks this run made after the checkpoint was saved."""
-        try:
-            ledger = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return
-        if ledger.get("run_id") == self.run_id:
-            self.data_skips.update({int(k): int(v) for k, v in ledger["data_skips"].items()})
-            self.rollbacks = max(self.rollbacks, int(ledger["rollbacks"]))
-
-    def pinned(self, step: int) -> int | None:
-        """While spikes are recent, the first of them: checkpoint rotation keeps the newest
-        checkpoint before it (the one a rollback would need)."""
-        if not self.cfg.rollback_after:
-            return None
-        recent = [s for s in self.recent_spikes if s > step - self.cfg.rollback_window]
-        return recent[0] if recent else None
-
-    def spiked(self, step: int, ckpt) -> Path | None:
-        """Step `step` was a spike: None, or, when a rollback is due, the checkpoint to go back to,
-        with the later checkpoints set aside and the ledger written (collective). Raises
-        NonFiniteStep past max_rollbacks, or when no checkpoint before the spikes exists."""
-        from pretrain.checkpoint import complete_checkpoints, read_meta
-
-        r = self.cfg
-        self.recent_spikes = [s for s in self.recent_spikes if s > step - r.rollback_window] + [step]
-        if not r.rollback_after or len(self.recent_spikes) < r.rollback_after:
-            return None
-        first, spikes = self.recent_spikes[0], f"{len(self.recent_spikes)} spikes in steps {self.recent_spikes[0]}-{step}"
-        if self.rollbacks >= r.max_rollbacks:
-            raise NonFiniteStep(f"{spikes} after {self.rollbacks} rollbacks (resilience.max_rollbacks): the run is "
-                                "diverging; lower optimizer.lr, then resume with checkpoint.resume=auto")
-        ckpt.wait()
-        before = [p for p in complete_checkpoints(ckpt.root) if read_meta(p)["step"] < first]
-        if not before:
-            c = ckpt.cfg
-            why = (f"checkpoint rotation (checkpoint.keep_last={c.keep_last}) removed the ones before them: raise "
-                   "checkpoint.keep_last" if c.every and c.every < first else
-                   f"set checkpoint.every below {first}")
-            raise NonFiniteStep(f"{spikes} and no checkpoint before them to roll back to: {why}, or lower "
-                                "optimizer.lr")
-        path = before[-1]
-        self.rollbacks += 1
-        self.data_skips[first] = r.rollback_skip_batches
-        ckpt.set_aside_after(path, self.rollbacks)
-        if self.is_main:
-            from pretrain.rundir import write_atomic
-
-            write_atomic(self.path, json.dumps({"run_id": self.run_id, "rollbacks": self.rollbacks,
-                                                "data_skips": {str(k): v for k, v in self.data_skips.items()}}))
-        log.warning("warning: %s: rolling back to %s and skipping %d batches of data before step %d (rollback %d of "
-                    "at most %d)", spikes, path.name, r.rollback_skip_batches, first, self.rollbacks, r.max_rollbacks)
-        return path
-
-    def skip(self, data_iter, step: int, progress) -> None:
-        """Before step `step`: draw and drop the global batches the ledger says (each rank its
-        share), calling `progress()` as it goes (a long skip is not a hang)."""
-        batches = self.data_skips.get(step, 0)
-        for i in range(batches * self.accum):
-            next(data_iter)
-            if i % 64 == 0:
-                progress()
-        if batches:
-            log.warning("warning: step %d: skipped %d batches of data (resilience: a rollback's or skip_batches)",
-                        step, batches)

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from pretrain.errors import CheckpointError
+from pretrain.hf.mapping import from_hf_dict, from_hf_state_dict
 from pretrain.model.args import ModelArgs
-from pretrain.model.hf import from_hf_dict, from_hf_state_dict
 
 INDEX = "model.safetensors.index.json"
 

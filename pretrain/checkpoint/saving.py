@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.rundir import sha256
+from pretrain.checkpoint.rundir import sha256
 
 log = logging.getLogger(__name__)
 

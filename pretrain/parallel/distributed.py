@@ -74,7 +74,7 @@ def _env_from_slurm() -> None:
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
     os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
-    # Tasks on this node (hpZ's node size, pretrain/traffic.py's nodes): SLURM_TASKS_PER_NODE reads "8(x32)" or "8,4" (the first node first).
+    # Tasks on this node (hpZ's node size, pretrain/parallel/traffic.py's nodes): SLURM_TASKS_PER_NODE reads "8(x32)" or "8,4" (the first node first).
     per_node = os.environ.get("SLURM_NTASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", "").split("(")[0].split(",")[0]
     if per_node.isdigit():
         os.environ.setdefault("LOCAL_WORLD_SIZE", per_node)
@@ -174,11 +174,11 @@ def init_layout(env: Dist, sequence_parallel: int, tensor_parallel: int, hpz: bo
     """The parallel layout (config checks that it divides the world; at most one of the two is > 1):
     `env` with its sequence- or tensor-parallel size, and the groups of `size` consecutive ranks.
     With `hpz` (ZeRO++'s secondary weight partition within each node: DeepSpeed builds its groups of
-    env.local_size consecutive ranks from the config, pretrain/parallelize.py) the world must span
+    env.local_size consecutive ranks from the config, pretrain/parallel/parallelize.py) the world must span
     several nodes of equal size.
 
     Sequence-parallel groups are ours, on the default backend (NCCL on GPUs: the all-to-all moves
-    device tensors); ZeRO and DeepSpeed see every rank as a data-parallel one (pretrain/parallelize.py).
+    device tensors); ZeRO and DeepSpeed see every rank as a data-parallel one (pretrain/parallel/parallelize.py).
     Tensor-parallel groups are DeepSpeed's (its AutoTP and ZeRO read them from deepspeed.utils.groups):
     a (data-parallel, tensor-parallel) mesh whose tensor-parallel ranks are consecutive, made here so
     that the layout has one owner and ZeRO-3's zero.Init, before the engine, shards over the

@@ -1,7 +1,7 @@
 """A checkpoint at another layout: DeepSpeed's shards read back as whole tensors (the consolidated
 weights of `pretrain eval`, export and `checkpoint.init_from`), and written in DeepSpeed's universal
-format for a resume at another world size or tensor-parallel size (`python -m pretrain.reshard
-CKPT OUT`, run by pretrain/checkpoint.py).
+format for a resume at another world size or tensor-parallel size (`python -m pretrain.checkpoint.reshard
+CKPT OUT`, run by pretrain/checkpoint/manager.py).
 
 Written by hand, because DeepSpeed 0.19.8's own tools cannot do it on the paths this system trains:
 its converter (deepspeed.checkpoint.ds_to_universal) reads only Adam's exp_avg and exp_avg_sq
@@ -155,7 +155,7 @@ def read_shards(ckpt: Path, tp_rank: int = 0, keys: tuple[str, ...] | None = Non
 
 def _join(name: str, slices: list[torch.Tensor]) -> torch.Tensor:
     """A parameter's (or one of its states') tensor-parallel slices, joined as AutoTP split them."""
-    from pretrain.parallelize import tensor_parallel_dim
+    from pretrain.parallel.parallelize import tensor_parallel_dim
 
     dim = tensor_parallel_dim(name)
     return slices[0] if dim is None or len(slices) == 1 else torch.cat(slices, dim=dim)
@@ -263,7 +263,7 @@ def load_universal(engine, folder: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m pretrain.reshard CKPT OUT: write CKPT's universal form into OUT (made anew)."""
+    """python -m pretrain.checkpoint.reshard CKPT OUT: write CKPT's universal form into OUT (made anew)."""
     ckpt, out = (Path(a) for a in (argv or sys.argv[1:]))
     shutil.rmtree(out, ignore_errors=True)
     write_universal(ckpt, out)

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 
 from pretrain.errors import UserError
-from pretrain.tasks.formats import Instance
+from pretrain.eval.tasks.formats import Instance
 
 
 def _hellaswag_text(text: str) -> str:

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from pretrain.estimate import kv_replication
+from pretrain.estimate.memory import kv_replication
 from pretrain.model.model import Attention, Transformer
 
 

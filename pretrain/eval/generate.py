@@ -8,7 +8,7 @@ from pretrain.errors import UserError
 def generate_cli(args) -> None:
     import torch
 
-    from pretrain.export import load_for_inference
+    from pretrain.hf.export import load_for_inference
     from pretrain.model.generate import sample
 
     model, tokenizer, eot = load_for_inference(args.model, "cuda" if torch.cuda.is_available() else "cpu")

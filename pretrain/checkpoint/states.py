@@ -8,7 +8,7 @@ import base64
 
 import torch
 
-from pretrain import distributed
+from pretrain.parallel import distributed
 
 
 class DataPosition:

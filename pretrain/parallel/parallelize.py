@@ -8,12 +8,11 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from pretrain import distributed
 from pretrain.config import Config, zero_sizes
-from pretrain import ulysses
 from pretrain.model.args import ModelArgs
 from pretrain.model.model import Transformer
-from pretrain.optim import build_optimizer
+from pretrain.optim.optimizer import build_optimizer
+from pretrain.parallel import distributed, ulysses
 
 
 def resolve_precision(cfg: Config, device: torch.device) -> str:
@@ -97,20 +96,20 @@ def muon_at_zero3(zero, clip: float) -> None:
       partitions are copied before and put back when no inner step ran (4 bytes per Muon
       parameter / world size, for the step).
 
-    And the orthogonalisation itself is ours (pretrain/muon.py zero3_step): each Muon matrix has one
+    And the orthogonalisation itself is ours (pretrain/optim/muon.py zero3_step): each Muon matrix has one
     owner rank, which gathers its gradient and momentum by an all-to-all, runs DeepSpeed's
     muon_update and sends the slices back, in place of DeepSpeed's round robin per bucket."""
     from deepspeed.runtime.utils import combine_grad_norm_groups
 
-    from pretrain.muon import zero3_step
+    from pretrain.optim.muon import zero3_step
 
     norm_groups, post_step, inner = zero._get_norm_groups, zero._post_step, zero.optimizer
     plan: dict = {}  # owners and batches, kept between steps
 
-    def apply():  # ours, not DeepSpeed's (its round robin per bucket leaves Newton-Schulz to rank 0: pretrain/muon.py)
+    def apply():  # ours, not DeepSpeed's (its round robin per bucket leaves Newton-Schulz to rank 0: pretrain/optim/muon.py)
         if zero.offload_optimizer or zero.save_muon_momentum_buffer_in_memory or any(
                 zero._swappable_optimizer_subgroup(i) for i, m in enumerate(zero.sub_groups_using_muon) if m):
-            raise ValueError("Muon's ZeRO-3 step (pretrain/muon.py) keeps its momentum on the device: no offload")
+            raise ValueError("Muon's ZeRO-3 step (pretrain/optim/muon.py) keeps its momentum on the device: no offload")
         zero3_step(zero, plan)
     inner_step = inner.step
     raw, saved, ran = [], {}, [False]
@@ -361,8 +360,8 @@ def build_model(args: ModelArgs, cfg: Config, ds_config: dict, seed: int) -> Tra
 
 
 def build_engine(model: Transformer, cfg: Config, ds_config: dict, device: torch.device):
-    """deepspeed.initialize with our optimizer (pretrain/optim.py). No LR scheduler: the trainer sets each step's rate
-    (pretrain/schedule.py)."""
+    """deepspeed.initialize with our optimizer (pretrain/optim/optimizer.py). No LR scheduler: the trainer sets each step's rate
+    (pretrain/optim/schedule.py)."""
     import deepspeed
 
     optimizer = build_optimizer(model, cfg.optimizer, device)

@@ -22,8 +22,8 @@ import random
 import torch
 
 from pretrain.errors import UserError
-from pretrain.tasks import loaders
-from pretrain.tasks.formats import Instance, metrics
+from pretrain.eval.tasks import loaders
+from pretrain.eval.tasks.formats import Instance, metrics
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from pretrain.checkpoint import consolidated_state_dict, open_checkpoint
+from pretrain.checkpoint.layout import open_checkpoint
+from pretrain.checkpoint.weights import consolidated_state_dict
 from pretrain.config import config_from_dict
 from pretrain.errors import CheckpointError
-from pretrain.model.hf import fold_multipliers, rope_scaling, to_hf_config, to_hf_state_dict
+from pretrain.hf.mapping import fold_multipliers, rope_scaling, to_hf_config, to_hf_state_dict
 from pretrain.model.model import Transformer
 
 
@@ -75,9 +76,9 @@ def export(checkpoint: str, out_dir: str, dtype: str = "fp32") -> Path:
 
 def load_for_inference(path: str, device: str = "cpu", verified: bool = False):
     """(model, tokenizer, eot id) from a Hugging Face model directory (an export, or any supported
-    model: pretrain/hub.py), `hub:NAME`, or a checkpoint (verified first unless `verified`)."""
+    model: pretrain/hf/hub.py), `hub:NAME`, or a checkpoint (verified first unless `verified`)."""
     import data_pipeline as dp
-    from pretrain import hub
+    from pretrain.hf import hub
 
     if hub.is_hf_model(path):
         p = hub.resolve(str(path))

@@ -1,22 +1,6 @@
 """Sharded checkpoints: atomic, durable, verified, rotated, resumable at another world size; and the
 choice of where a run starts (fresh, resume, fine-tune), made in one place.
 
-Layout of run_dir/checkpoints/:
-    step_00000200/           one complete checkpoint (the name is only ever given to a complete one)
-        mp_rank_00_model_states.pt, zero_pp_rank_R_mp_rank_T_optim_states.pt   DeepSpeed's shards
-                             (R: data-parallel rank, T: tensor-parallel rank)
-        meta.json            format, step, run id, world size, data-, tensor- and sequence-parallel
-                             sizes, model shape, ZeRO stage, optimizer, tokenizer fingerprint,
-                             package version and git commit
-        trainer_state.json   data_state.json   rng_state.json    one file per tracked state
-        config.yaml          the resolved run config
-        tokenizer.json       the tokenizer, so a checkpoint exports and samples on its own
-        manifest.json        size and sha256 of every file above, written last
-    latest                   name of the newest complete checkpoint (DeepSpeed's tools read it)
-    set_aside/               checkpoints a resume did not use: corrupt ones, and ones newer than an
-                             explicitly resumed older checkpoint (moved here, never deleted)
-    .universal/step_.../     DeepSpeed universal checkpoint, made when the world size changed
-
 A save writes into `.partial_step_...`. Every rank fsyncs and checksums its share of the files;
 only when all ranks have written without error is the manifest written, the folder fsynced and
 renamed to `step_...`, and the parent fsynced (as databases do): after a crash or a power loss a
@@ -27,13 +11,14 @@ checkpoints of this run (its run id), and only after the new one is complete.
 Everything that survives a restart is a tracked state (`track(trainer=..., data=..., rng=...)`:
 objects with state_dict()/load_state_dict(), whose state_dict() every rank calls, so it may gather
 across ranks) plus the DeepSpeed engine (its own shards). `restore(start)` brings them all back.
+
+The layout on disk: pretrain/checkpoint/layout.py; whole weights read back: weights.py.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 import subprocess
 import sys
@@ -45,105 +30,15 @@ from pathlib import Path
 
 import torch
 
-from pretrain import distributed, reshard
+from pretrain.checkpoint import reshard
+from pretrain.checkpoint.reshard import partitioned
+from pretrain.checkpoint.layout import (FORMAT, FUNCTION_FIELDS, SHAPE_FIELDS, check_files, complete_checkpoints,
+                                       model_shape, read_meta, resolve_checkpoint, step_dir_name, step_folders)
+from pretrain.checkpoint.rundir import RunDir, fsync_dir, new_run_id, write_atomic
 from pretrain.errors import CheckpointError, RunDirError, collective
-from pretrain.reshard import partitioned
-from pretrain.rundir import RunDir, fsync_dir, new_run_id, sha256, write_atomic
+from pretrain.parallel import distributed
 
 log = logging.getLogger(__name__)
-
-FORMAT = 2  # meta.json "format"; bump when the layout changes, and say what reads older ones
-STEP_DIR = re.compile(r"^step_(\d{8})$")
-# Fields of the model shape that must match to load weights (init scale and presets may differ).
-SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "hidden_dim", "tie_embeddings")
-# Fields that change what the model computes, not its shapes: a resume must keep them (it continues
-# one run); fine-tuning may change them (a larger rope_theta to extend the context, say).
-FUNCTION_FIELDS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                   "rope_original_max_seq_len", "document_mask", "document_positions", "eot_id")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def step_folders(root: Path) -> list[Path]:
-    """Every `step_XXXXXXXX` folder under `root`, complete or not, oldest first."""
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()), key=lambda p: p.name)
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Step folders with a manifest under `root`, oldest first (not verified)."""
-    return [p for p in step_folders(root) if (p / "manifest.json").is_file()]
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder from a user path: a step folder, or a checkpoints root / run dir (its
-    newest complete checkpoint)."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    if (path / "manifest.json").is_file():
-        return path
-    for root in (path, path / "checkpoints"):
-        found = complete_checkpoints(root)
-        if found:
-            return found[-1]
-    if path.name.startswith(".partial_") or STEP_DIR.match(path.name):
-        raise CheckpointError(f"checkpoint {path} is incomplete (no manifest.json: the save was interrupted); "
-                              f"use an earlier one")
-    raise CheckpointError(f"no complete checkpoint in {path}")
-
-
-def read_meta(ckpt: Path) -> dict:
-    try:
-        meta = json.loads((ckpt / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {ckpt}: meta.json unreadable ({e})") from None
-    fmt = meta.get("format", 1)
-    if not isinstance(fmt, int) or fmt > FORMAT:
-        raise CheckpointError(f"checkpoint {ckpt} has format {fmt}, newer than this pretrain reads ({FORMAT}): "
-                              "upgrade pretrain")
-    return meta
-
-
-def model_shape(args, fields=SHAPE_FIELDS) -> dict:
-    return {f: getattr(args, f) for f in fields}
-
-
-def _my_share(items: list, rank: int, world: int) -> list:
-    """Spread checksumming over ranks: each takes every world-th item."""
-    return items[rank::world]
-
-
-def _check_files(ckpt: Path, rank: int = 0, world: int = 1) -> str | None:
-    """The first problem with this rank's share of the manifest's files, or None."""
-    try:
-        manifest = json.loads((ckpt / "manifest.json").read_text())["files"]
-    except FileNotFoundError:
-        return f"checkpoint {ckpt} has no manifest.json (an interrupted save, or files removed by hand)"
-    except (OSError, json.JSONDecodeError, KeyError) as e:
-        return f"checkpoint {ckpt}: manifest.json unreadable ({e})"
-    for name in _my_share(sorted(manifest), rank, world):
-        path, want = ckpt / name, manifest[name]
-        if not path.is_file():
-            return f"checkpoint {ckpt} is missing {name}"
-        if path.stat().st_size != want["size"]:
-            return f"checkpoint {ckpt}: {name} has {path.stat().st_size} bytes, expected {want['size']} (truncated?)"
-        if sha256(path) != want["sha256"]:
-            return f"checkpoint {ckpt}: {name} fails its checksum (corrupt)"
-    return None
-
-
-def open_checkpoint(path: str | Path) -> tuple[Path, dict]:
-    """(checkpoint folder, meta) for a reader in one process (export, generate, eval): resolved from
-    a user path and verified against its manifest first. Raises CheckpointError naming the problem."""
-    ckpt = resolve_checkpoint(path)
-    problem = _check_files(ckpt)
-    if problem:
-        raise CheckpointError(problem)
-    return ckpt, read_meta(ckpt)
 
 
 @dataclass
@@ -159,7 +54,7 @@ class Start:
 
     def universal(self, env: distributed.Dist) -> bool:
         """The optimizer state is partitioned over another layout (world size, or tensor-parallel
-        size): it loads through a universal conversion (pretrain/reshard.py). ZeRO stage 0 in fp32
+        size): it loads through a universal conversion (pretrain/checkpoint/reshard.py). ZeRO stage 0 in fp32
         saves it whole per tensor-parallel rank: any data-parallel size loads it directly."""
         return self.meta is not None and partitioned(self.path) and (
             self.meta["world_size"] != env.world_size or self.meta.get("tensor_parallel", 1) != env.tp)
@@ -237,7 +132,7 @@ class CheckpointManager:
         the files are intact, else the first problem found."""
         t0 = time.perf_counter()
         problems = [p for p in distributed.all_gather_objects(
-            _check_files(ckpt, self.env.rank, self.env.world_size)) if p]
+            check_files(ckpt, self.env.rank, self.env.world_size)) if p]
         self.timings["verify_s"] = self.timings.get("verify_s", 0.0) + time.perf_counter() - t0
         return problems[0] if problems else None
 
@@ -329,7 +224,7 @@ class CheckpointManager:
         return None
 
     def _finetune_start(self, run_id: str) -> Start:
-        from pretrain import hub
+        from pretrain.hf import hub
 
         c = self.cfg
         if hub.is_hf_model(c.init_from):
@@ -385,7 +280,7 @@ class CheckpointManager:
     def track(self, engine=None, **states) -> None:
         """Register what a checkpoint holds: the DeepSpeed engine and named stateful objects."""
         if engine is not None:
-            from pretrain.saving import ShardWriter
+            from pretrain.checkpoint.saving import ShardWriter
 
             self.engine = engine
             self._writer = ShardWriter(engine)
@@ -416,7 +311,7 @@ class CheckpointManager:
 
     def _load_engine(self, start: Start) -> None:
         """Weights, optimizer state (and their hyperparameters) from DeepSpeed's shards; at another
-        world size or tensor-parallel size through a universal conversion (pretrain/reshard.py)."""
+        world size or tensor-parallel size through a universal conversion (pretrain/checkpoint/reshard.py)."""
         engine, ckpt = self.engine, start.path
         universal = start.universal(self.env)
         groups = engine.optimizer.param_groups
@@ -455,7 +350,7 @@ class CheckpointManager:
         if self.env.is_main and not (done.is_file() and done.read_text() == reshard.VERSION):
             shutil.rmtree(out, ignore_errors=True)
             out.parent.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "pretrain.reshard", str(ckpt), str(out)]
+            cmd = [sys.executable, "-m", "pretrain.checkpoint.reshard", str(ckpt), str(out)]
             output = tempfile.TemporaryFile("w+")  # not a pipe: a full one would stall the converter
             proc = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, text=True)
         # A 7B conversion can take longer than a collective timeout: the other ranks do not wait in
@@ -482,9 +377,9 @@ class CheckpointManager:
     def save(self, step: int) -> float:
         """Start saving every tracked state as step_XXXXXXXX (collective); returns the seconds the
         caller was held up: waiting for the previous save, then the copy of the state to host memory
-        (pretrain/saving.py). The rest is written in the background; `wait()` collects the outcome,
+        (pretrain/checkpoint/saving.py). The rest is written in the background; `wait()` collects the outcome,
         and a failure raises CheckpointError on every rank, the partial folder removed."""
-        from pretrain import saving
+        from pretrain.checkpoint import saving
 
         t0 = time.perf_counter()
         self.wait()
@@ -514,7 +409,7 @@ class CheckpointManager:
 
     def _finish(self, job) -> None:
         """Background thread of every rank: write, checksum, agree; rank 0 publishes."""
-        from pretrain import saving
+        from pretrain.checkpoint import saving
 
         group = distributed.checkpoint_group()
         sums = saving.write_rank_files(job, self._writer.inner)
@@ -668,57 +563,3 @@ class CheckpointManager:
             return None
 
 
-def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Full fp32 weights of a checkpoint saved at any world size, ZeRO stage, precision and
-    tensor-parallel size (pretrain/reshard.py reads DeepSpeed's shards; tests hold it against
-    DeepSpeed's own zero_to_fp32 where that can read them)."""
-    return reshard.fp32_weights(ckpt)
-
-
-def load_weights(model: torch.nn.Module, ckpt: Path, env: distributed.Dist, zero3: bool) -> None:
-    """Copy the weights of a checkpoint or a Hugging Face model directory into a freshly built
-    (possibly ZeRO-3 partitioned) model, before the engine exists (AutoTP splits the matrices
-    later, from these whole ones). Rank 0 reads (a checkpoint consolidated, an HF model one tensor
-    at a time); the values reach the other ranks one parameter at a time, so no rank holds the
-    whole model at once beyond what its reader needs. ZeRO-3 gathers and re-partitions within
-    each data-parallel group, from its first rank: under tensor parallelism there is one such
-    group per tensor-parallel rank, whose first ranks (0 .. tp-1, the first tensor-parallel group)
-    each get the value from rank 0 first."""
-    from pretrain import hub
-
-    state = {}
-    if env.is_main:
-        state = hub.LazyWeights(ckpt, model.args) if hub.is_hf_model(ckpt) else consolidated_state_dict(ckpt)
-    problem = _mismatch(model, state, ckpt) if env.is_main else None
-    problem = distributed.broadcast_object(problem)
-    if problem:
-        raise collective(CheckpointError(problem))
-    import deepspeed
-
-    for name, param in model.named_parameters():
-        if zero3:
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                if env.dp_rank == 0:  # the data-parallel group's first rank (modifier_rank=0 within it)
-                    value = state[name].to(param.device, param.dtype) if env.is_main else torch.empty_like(param.data)
-                    if env.tp > 1:  # (ranks 0 .. tp-1: the first tensor-parallel group)
-                        distributed.broadcast(value, group=distributed.tensor_group())
-                    param.data.copy_(value)
-        else:
-            if env.is_main:
-                param.data.copy_(state[name])
-            distributed.broadcast_host(param.data)  # still on the host: DeepSpeed moves it later
-
-
-def _mismatch(model: torch.nn.Module, state, source: Path) -> str | None:
-    """What keeps `state` (a dict or hub.LazyWeights) from loading into `model`, checked before any
-    rank starts copying: missing parameters, other shapes (ZeRO-3 keeps the full one in ds_shape)."""
-    params = dict(model.named_parameters())
-    missing = [n for n in params if n not in state]
-    if missing:
-        return f"checkpoint {source} lacks {missing[:3]}"
-    for name, param in params.items():
-        want = tuple(getattr(param, "ds_shape", param.shape))
-        got = tuple(state.shape(name) if hasattr(state, "shape") else state[name].shape)
-        if got != want:
-            return f"{source}: {name} has shape {got}, the model {want}"
-    return None

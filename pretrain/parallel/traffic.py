@@ -4,7 +4,7 @@ bench/bench_comm.py holds against `pretrain estimate`.
 
 The count is a TorchDispatchMode over torch's c10d ops (torch.ops.c10d.*, as torch's own CommDebugMode
 counts them): every torch.distributed collective, whoever calls it (DeepSpeed's ZeRO gathers and
-reduce-scatters in its module hooks, our own in pretrain/distributed.py and pretrain/muon.py), reaches
+reduce-scatters in its module hooks, our own in pretrain/parallel/distributed.py and pretrain/optim/muon.py), reaches
 the dispatcher as one of these ops, so nothing is missed and nothing wrapped. DeepSpeed's comms logger
 would see only the collectives that go through deepspeed.comm (not ours), and times each by
 synchronizing the device. A dispatch mode is thread-local: it counts the thread that runs the step,
@@ -12,7 +12,7 @@ not the background checkpoint writer's collectives. Off, it costs nothing; on, a
 the step (any op, not only collectives): a ZeRO-3 step of the tiny model on 2 CPU ranks took 1.3-1.5x
 as long, hence logging.comm_bytes, off by default, and only the logged steps.
 
-Convention, the same as pretrain/estimate.py's ("Communication per GPU per step"): for a group of n
+Convention, the same as pretrain/estimate/report.py's ("Communication per GPU per step"): for a group of n
 ranks, all-gather, reduce-scatter and all-to-all move (n-1)/n of the whole (gathered, unreduced,
 exchanged) data through each rank, an all-reduce twice that; a broadcast, reduce, gather or scatter
 the whole of its data; point-to-point the tensor. Groups of one rank move nothing.
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pretrain.distributed import node_size
+from pretrain.parallel.distributed import node_size
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 
@@ -72,7 +72,7 @@ _OPS = {getattr(torch.ops.c10d, name): spec for name, spec in _OPS.items()}
 
 
 def local_world_size() -> int:
-    """Ranks per node as the launcher says (pretrain.distributed.node_size: torchrun's
+    """Ranks per node as the launcher says (pretrain.parallel.distributed.node_size: torchrun's
     LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE, ...). Ranks r and s share a node when
     r // it == s // it, the launchers' consecutive numbering. Without it, one node. A test fakes two
     nodes by starting the ranks with LOCAL_WORLD_SIZE=1, as two launchers of one rank each would."""

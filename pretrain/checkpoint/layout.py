@@ -1,0 +1,127 @@
+"""What a checkpoint is on disk, and reading it: its folders, meta.json, the verification of its files.
+
+Layout of run_dir/checkpoints/:
+    step_00000200/           one complete checkpoint (the name is only ever given to a complete one)
+        mp_rank_00_model_states.pt, zero_pp_rank_R_mp_rank_T_optim_states.pt   DeepSpeed's shards
+                             (R: data-parallel rank, T: tensor-parallel rank)
+        meta.json            format, step, run id, world size, data-, tensor- and sequence-parallel
+                             sizes, model shape, ZeRO stage, optimizer, tokenizer fingerprint,
+                             package version and git commit
+        trainer_state.json   data_state.json   rng_state.json    one file per tracked state
+        config.yaml          the resolved run config
+        tokenizer.json       the tokenizer, so a checkpoint exports and samples on its own
+        manifest.json        size and sha256 of every file above, written last
+    latest                   name of the newest complete checkpoint (DeepSpeed's tools read it)
+    set_aside/               checkpoints a resume did not use: corrupt ones, and ones newer than an
+                             explicitly resumed older checkpoint (moved here, never deleted)
+    .universal/step_.../     DeepSpeed universal checkpoint, made when the world size changed
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from pretrain.checkpoint.rundir import sha256
+from pretrain.errors import CheckpointError
+
+
+FORMAT = 2  # meta.json "format"; bump when the layout changes, and say what reads older ones
+
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+# Fields of the model shape that must match to load weights (init scale and presets may differ).
+SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "hidden_dim", "tie_embeddings")
+
+
+# Fields that change what the model computes, not its shapes: a resume must keep them (it continues
+# one run); fine-tuning may change them (a larger rope_theta to extend the context, say).
+FUNCTION_FIELDS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                   "rope_original_max_seq_len", "document_mask", "document_positions", "eot_id")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_folders(root: Path) -> list[Path]:
+    """Every `step_XXXXXXXX` folder under `root`, complete or not, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()), key=lambda p: p.name)
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Step folders with a manifest under `root`, oldest first (not verified)."""
+    return [p for p in step_folders(root) if (p / "manifest.json").is_file()]
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder from a user path: a step folder, or a checkpoints root / run dir (its
+    newest complete checkpoint)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if (path / "manifest.json").is_file():
+        return path
+    for root in (path, path / "checkpoints"):
+        found = complete_checkpoints(root)
+        if found:
+            return found[-1]
+    if path.name.startswith(".partial_") or STEP_DIR.match(path.name):
+        raise CheckpointError(f"checkpoint {path} is incomplete (no manifest.json: the save was interrupted); "
+                              f"use an earlier one")
+    raise CheckpointError(f"no complete checkpoint in {path}")
+
+
+def read_meta(ckpt: Path) -> dict:
+    try:
+        meta = json.loads((ckpt / "meta.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt}: meta.json unreadable ({e})") from None
+    fmt = meta.get("format", 1)
+    if not isinstance(fmt, int) or fmt > FORMAT:
+        raise CheckpointError(f"checkpoint {ckpt} has format {fmt}, newer than this pretrain reads ({FORMAT}): "
+                              "upgrade pretrain")
+    return meta
+
+
+def model_shape(args, fields=SHAPE_FIELDS) -> dict:
+    return {f: getattr(args, f) for f in fields}
+
+
+def _my_share(items: list, rank: int, world: int) -> list:
+    """Spread checksumming over ranks: each takes every world-th item."""
+    return items[rank::world]
+
+
+def check_files(ckpt: Path, rank: int = 0, world: int = 1) -> str | None:
+    """The first problem with this rank's share of the manifest's files, or None."""
+    try:
+        manifest = json.loads((ckpt / "manifest.json").read_text())["files"]
+    except FileNotFoundError:
+        return f"checkpoint {ckpt} has no manifest.json (an interrupted save, or files removed by hand)"
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        return f"checkpoint {ckpt}: manifest.json unreadable ({e})"
+    for name in _my_share(sorted(manifest), rank, world):
+        path, want = ckpt / name, manifest[name]
+        if not path.is_file():
+            return f"checkpoint {ckpt} is missing {name}"
+        if path.stat().st_size != want["size"]:
+            return f"checkpoint {ckpt}: {name} has {path.stat().st_size} bytes, expected {want['size']} (truncated?)"
+        if sha256(path) != want["sha256"]:
+            return f"checkpoint {ckpt}: {name} fails its checksum (corrupt)"
+    return None
+
+
+def open_checkpoint(path: str | Path) -> tuple[Path, dict]:
+    """(checkpoint folder, meta) for a reader in one process (export, generate, eval): resolved from
+    a user path and verified against its manifest first. Raises CheckpointError naming the problem."""
+    ckpt = resolve_checkpoint(path)
+    problem = check_files(ckpt)
+    if problem:
+        raise CheckpointError(problem)
+    return ckpt, read_meta(ckpt)
