@@ -1,5 +1,5 @@
 """Collective bytes of one optimizer step of real training, counted (pretrain/parallel/traffic.py), against the
-volume worked out by hand and against `pretrain estimate` (pretrain/estimate/report.py comm_volume).
+volume worked out by hand and against `pretrain estimate` (pretrain/estimate/comm.py comm_volume).
 
 Each case trains the tiny preset (vocabulary 4096: 1,836,160 parameters, 1,152 of them norms under
 the persistence threshold) for 3 steps under torchrun on CPU ranks (gloo), bf16 with fp32
@@ -12,7 +12,7 @@ count, per micro-batch (k per step) and psi = (n-1)/n:
   backward), else at most N - P again (a checkpointed block's recomputation gathers what its
   backward uses, nothing more); the P persistent parameters all-gathered once after the step;
   reduce-scatter psi g N. At max_reuse_distance=0 the backward part is a bound, not a count:
-  DeepSpeed keeps what its prefetcher marked for later (pretrain/estimate/report.py zero3_gathered).
+  DeepSpeed keeps what its prefetcher marked for later (pretrain/estimate/comm.py zero3_gathered).
   ZeRO-2: all-reduce 2 psi g N per micro-batch; ZeRO-1: once per step; both all-gather psi p N after
   the step. ZeRO-0 (fp32): all-reduce 2 psi g N per step.
   Tensor parallelism over t = 2 ranks (distributed.tensor_parallel=2): DeepSpeed AutoTP all-reduces

@@ -11,7 +11,7 @@ the owner, which runs DeepSpeed's own `muon_update` on the full matrix, and a se
 of the update and the new momentum back. Per rank each direction moves 2 c / n of a matrix's
 elements per matrix it does not own, 2 c (n-1)/n of each it owns: about 4 M c (n-1)/n^2 bytes sent
 (and as many received) per step, M the Muon parameters, c the bytes of DeepSpeed's
-communication_data_type (pretrain/estimate/report.py muon_step)."""
+communication_data_type (pretrain/estimate/muon.py muon_step)."""
 from __future__ import annotations
 
 import torch

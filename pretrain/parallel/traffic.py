@@ -12,7 +12,7 @@ not the background checkpoint writer's collectives. Off, it costs nothing; on, a
 the step (any op, not only collectives): a ZeRO-3 step of the tiny model on 2 CPU ranks took 1.3-1.5x
 as long, hence logging.comm_bytes, off by default, and only the logged steps.
 
-Convention, the same as pretrain/estimate/report.py's ("Communication per GPU per step"): for a group of n
+Convention, the same as pretrain/estimate/comm.py's: for a group of n
 ranks, all-gather, reduce-scatter and all-to-all move (n-1)/n of the whole (gathered, unreduced,
 exchanged) data through each rank, an all-reduce twice that; a broadcast, reduce, gather or scatter
 the whole of its data; point-to-point the tensor. Groups of one rank move nothing.
