@@ -10,6 +10,7 @@ the same kind, the stdlib modules' docstrings, used by the fine-tuning example.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -56,7 +57,12 @@ def python_docstrings() -> list[str]:
     """The documents of builtin:python-docstrings: the docstrings of the top-level stdlib modules
     (module, class and function docstrings of one module form one document), read with `ast` from
     the source files, never imported. Another register of English than python-docs: the fine-tuning
-    example's "new data"."""
+    example's "new data". (Parsed once per process: the standard library takes seconds.)"""
+    return list(_python_docstrings())
+
+
+@functools.cache
+def _python_docstrings() -> tuple[str, ...]:
     import ast
     import sysconfig
 
@@ -71,7 +77,7 @@ def python_docstrings() -> list[str]:
         parts = [d for d in (ast.get_docstring(n) for n in nodes) if d]
         if parts:
             docs.append("\n\n".join(parts))
-    return docs
+    return tuple(docs)
 
 
 def split_docs(docs: list[str], split: str) -> list[str]:

@@ -144,7 +144,7 @@ def peak_saved(nproc: int, overrides: list[str]) -> list[dict]:
 
 
 @pytest.mark.parametrize("ac,kv", [
-    (0, 2),
+    pytest.param(0, 2, marks=pytest.mark.slow),  # (2 ranks measuring: the full suite's; the fast tier keeps the model's)
     pytest.param(1, 2, marks=pytest.mark.slow),  # activation checkpointing: blocks keep their inputs
     pytest.param(0, 1, marks=pytest.mark.slow),  # one KV head over 2 ranks: replicated twice
 ], ids=["ac0", "ac1", "kv1"])

@@ -158,7 +158,9 @@ def _exact(nproc: int, sp: int, tmp_path) -> list[dict]:
     return json.loads(lines[0][len("RESULT "):])
 
 
-@pytest.mark.parametrize("nproc, sp", [(1, 1), (2, 2), (4, 4), (4, 2)])
+@pytest.mark.parametrize("nproc, sp", [  # (4 ranks on 2 cores, and the reference alone: the full suite's)
+    pytest.param(1, 1, marks=pytest.mark.slow), (2, 2), pytest.param(4, 4, marks=pytest.mark.slow),
+    pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_a_sequence_parallel_group_computes_what_one_process_does(nproc, sp, tmp_path):
     """Loss within 1e-6 (relative, fp32) and every gradient within 1e-5 of its tensor's largest entry,
     with MHA, GQA, KV heads replicated (1 and 2 KV heads at N = 4), unscored labels on some ranks
