@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 from pretrain.checkpoint import reshard
-from pretrain.checkpoint.reshard import partitioned
 from pretrain.checkpoint.layout import (FORMAT, FUNCTION_FIELDS, SHAPE_FIELDS, check_files, complete_checkpoints,
                                        model_shape, read_meta, resolve_checkpoint, step_dir_name, step_folders)
+from pretrain.checkpoint.reshard import partitioned
 from pretrain.checkpoint.rundir import RunDir, fsync_dir, new_run_id, write_atomic
 from pretrain.errors import CheckpointError, RunDirError, collective
 from pretrain.parallel import distributed
