@@ -1,12 +1,12 @@
 """Stragglers found (docs/reliability.md).
 
-The watchdog's thread (pretrain/faults/watchdog.py) samples, 50 times a second, whether the main thread waits for other
-ranks (on the host: the phase or the stack); at each log step the trainer gathers every rank's busy
-time (the window's time less its sampled waiting) and data wait over the CPU group and logs the
-slowest rank, its host and its busy time over the median's. A slow rank is busy longer, its peers
-wait for it: the all-reduce evens out their step times, not this. On a GPU, host sampling sees a
-slow host (data, CPU, Python), not a slow GPU, whose wait shows up on every rank alike: ComputeClock
-times each rank's own compute on the device for that (docs/reliability.md).
+The watchdog's thread (pretrain/faults/watchdog.py) samples, 50 times a second, whether the main
+thread waits for other ranks (on the host: the phase or the stack); at each log step the trainer
+gathers every rank's busy time (the window's time less its sampled waiting) and data wait over the
+CPU group and logs the slowest rank, its host and its busy time over the median's. A slow rank is
+busy longer, its peers wait for it: the all-reduce evens out their step times, not this. On a GPU,
+host sampling sees a slow host (data, CPU, Python), not a slow GPU, whose wait shows up on every rank
+alike: ComputeClock times each rank's own compute on the device for that (docs/reliability.md).
 """
 
 from __future__ import annotations
