@@ -3,7 +3,7 @@
 torchrun, accelerate launch, the deepspeed launcher and srun all set RANK/WORLD_SIZE/LOCAL_RANK/
 MASTER_ADDR/MASTER_PORT; a bare `srun` sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, which we translate.
 
-Every collective of ours goes through this module (tests/test_distributed.py fails on a
+Every collective of ours goes through this module (tests/test_imports.py fails on a
 `torch.distributed` collective called anywhere else), because NCCL takes device tensors only: host
 values (flags, counts, sums, objects, signals, barriers) go over a gloo group, device tensors over
 the default group. On CPU both are gloo, so a host tensor sent over the default group would pass
