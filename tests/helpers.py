@@ -75,9 +75,9 @@ def pretrain(args: list[str], nproc: int = 1, launcher: str = "torchrun", timeou
                                      capture_output=True, text=True, timeout=timeout)
     proc = run()
     if check and proc.returncode != 0 and crashed(proc):
-        # A rank killed by SIGSEGV/SIGBUS inside torch (CI saw it in inductor-compiled kernels, once in a
-        # few hundred runs, never on this machine): said as a warning, the run's directory kept aside,
-        # and run once more. A second crash, or any other failure, fails the test.
+        # A rank killed by SIGSEGV/SIGBUS inside torch (CI saw it once, in a run with inductor-compiled
+        # kernels; never reproduced here): said as a warning, the run's directory kept aside, and run
+        # once more. A second crash, or any other failure, fails the test.
         warnings.warn(f"a rank crashed, running again once: {' '.join(args)}\n{fatal_error(proc.stderr)}")
         for arg in args:
             if arg.startswith("train.run_dir=") and Path(arg.split("=", 1)[1]).exists():
