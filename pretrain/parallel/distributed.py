@@ -160,8 +160,13 @@ def init(backend: str = "auto", timeout_s: float = 1800.0) -> Dist:
         _CPU_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
         # The background checkpoint thread's own group: never interleaved with training collectives.
         _CHECKPOINT_GROUP = dist.new_group(backend="gloo", timeout=timeout)
-    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device,
-                local_size=node_size() or dist.get_world_size())
+    local_size = node_size() or dist.get_world_size()
+    if device.type == "cpu":
+        # DeepSpeed's CPU accelerator counts its devices by running `numactl --hardware` in a new
+        # process unless LOCAL_SIZE says how many there are, and ZeRO-3 asks at every gradient
+        # reduce-scatter (~10 ms each, most of a tiny model's step): told here, as a GPU node's count.
+        os.environ.setdefault("LOCAL_SIZE", str(local_size))
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device, local_size=local_size)
 
 
 _CPU_GROUP = _CHECKPOINT_GROUP = None
