@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, TINY, free_port, losses, read_metrics, run_train, train_env
+from helpers import REPO, TINY, losses, read_metrics, run_train, train_env
 from pretrain.checkpoint.weights import consolidated_state_dict
 
 pytestmark = pytest.mark.slow
@@ -21,24 +21,28 @@ BASE = ["data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=
         "distributed.zero_stage=3", "distributed.param_persistence_threshold=0", "train.max_steps=8"]
 
 
-def _start(overrides, nproc=1, fault=""):
-    args = ["train", str(TINY), "logging.progress=false", *overrides]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "pretrain", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), "-m", "pretrain", *args]
-    return subprocess.Popen(cmd, cwd=REPO, env=train_env({"PRETRAIN_FAULT": fault} if fault else {}),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+def _start(overrides, fault):
+    """One fresh process in a session of its own (a signal fault signals its whole process group)."""
+    cmd = [sys.executable, "-m", "pretrain", "train", str(TINY), "logging.progress=false", *overrides]
+    return subprocess.Popen(cmd, cwd=REPO, env=train_env({"PRETRAIN_FAULT": fault}), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+# straight[1]'s rotation (test_rotation_and_interrupted_saves): a save every 2 steps, the newest 2
+# kept and every 4th, over the debris of a save killed midway.
+ROTATION = ["checkpoint.every=2", "checkpoint.keep_last=2", "checkpoint.keep_every=4"]
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """Uninterrupted 8-step runs at 1 and 2 ranks, the references."""
+    """Uninterrupted 8-step runs at 1 and 2 ranks, the references: the 2-rank one saves steps 4 and
+    8, the 1-rank one saves with ROTATION (steps 4, 6 and 8 kept)."""
     out = {}
-    for nproc in (1, 2):
+    for nproc, saves in ((1, ROTATION), (2, ["checkpoint.every=4"])):
         run = tmp_path_factory.mktemp(f"straight{nproc}")
-        run_train(BASE + ["checkpoint.every=4", f"train.run_dir={run}"], nproc=nproc)
+        if nproc == 1:
+            (run / "checkpoints" / ".partial_step_00000010").mkdir(parents=True)
+        run_train(BASE + saves + [f"train.run_dir={run}"], nproc=nproc)
         out[nproc] = run
     return out
 
@@ -48,8 +52,8 @@ def test_kill_and_resume_is_exact(tmp_path, straight, nproc):
     """Rank 0 is killed (SIGKILL, PRETRAIN_FAULT) in step 7, wherever the background saves are: the
     step-6 save had started, so the step-4 one was complete (saves never overlap). The resume from
     the newest complete checkpoint repeats the uninterrupted run, every step bitwise."""
-    proc = _start(BASE + ["checkpoint.every=2", f"train.run_dir={tmp_path}"], nproc, fault="crash@rank=0,step=7")
-    proc.communicate(timeout=240)
+    proc = run_train(BASE + ["checkpoint.every=2", f"train.run_dir={tmp_path}"], nproc=nproc,
+                     env={"PRETRAIN_FAULT": "crash@rank=0,step=7"}, check=False)
     assert proc.returncode != 0
     assert (tmp_path / "checkpoints" / "step_00000004").is_dir()
     proc = run_train(BASE + ["checkpoint.every=2", "checkpoint.resume=auto", f"train.run_dir={tmp_path}"],
@@ -65,8 +69,8 @@ def test_a_kill_during_a_background_save_keeps_the_previous_checkpoint(tmp_path,
     run repeats the uninterrupted one exactly."""
     from pretrain.checkpoint.layout import open_checkpoint
 
-    proc = _start(BASE + ["checkpoint.every=2", f"train.run_dir={tmp_path}"], fault="savecrash@rank=0,step=6")
-    proc.communicate(timeout=240)
+    proc = run_train(BASE + ["checkpoint.every=2", f"train.run_dir={tmp_path}"],
+                     env={"PRETRAIN_FAULT": "savecrash@rank=0,step=6"}, check=False)
     assert proc.returncode == -signal.SIGKILL
     ckpts = tmp_path / "checkpoints"
     assert any((ckpts / ".partial_step_00000006").glob("*.pt"))  # killed with its shards on disk
@@ -130,17 +134,17 @@ def test_checkpoint_every_minutes_saves_on_the_clock(tmp_path, straight):
     assert losses(tmp_path) == losses(straight[1])
 
 
-def test_rotation_and_interrupted_saves(tmp_path):
-    run = tmp_path / "run"
-    ckpts = run / "checkpoints"
-    # Debris of a save killed midway and of a step folder without a manifest: never resumed from.
-    (ckpts / ".partial_step_00000010").mkdir(parents=True)
-    run_train(BASE + ["checkpoint.every=2", "checkpoint.keep_last=2", "checkpoint.keep_every=4",
-                      f"train.run_dir={run}"])
+def test_rotation_and_interrupted_saves(tmp_path, straight):
+    # straight[1] saved with ROTATION over the debris of a save killed midway (.partial_step_00000010,
+    # never resumed from): the newest 2 and every 4th are kept, the debris is gone.
+    ckpts = straight[1] / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step_00000004", "step_00000006", "step_00000008"]
     assert (ckpts / "latest").read_text() == "step_00000008"
     manifest = json.loads((ckpts / "step_00000008" / "manifest.json").read_text())["files"]
     assert {"meta.json", "data_state.json", "trainer_state.json", "rng_state.json", "tokenizer.json"} <= set(manifest)
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    shutil.copytree(straight[1] / "checkpoints", ckpts)
     # A newer step folder that lost its manifest (a kill between write and rename cannot produce
     # it, but a user copy can): resume=auto says so, resumes from the newest intact one and moves
     # the broken one aside (kept, out of rotation and of later resumes).
@@ -233,8 +237,10 @@ def test_other_zero_stage_is_refused(tmp_path, saved_run):
 
 def test_other_data_is_refused_unless_forced(tmp_path, saved_run):
     shutil.copytree(saved_run / "checkpoints", tmp_path / "checkpoints")
-    other = BASE + ["data.sources=[{path: builtin:python-docstrings}]", "checkpoint.resume=auto",
-                    f"train.run_dir={tmp_path}"]
+    other_data = tmp_path / "other.jsonl"  # (small: read in full by the forced resume)
+    other_data.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n"}) + "\n"
+                                  for i in range(200)))
+    other = BASE + [f"data.sources=[{{path: {other_data}}}]", "checkpoint.resume=auto", f"train.run_dir={tmp_path}"]
     proc = run_train(other, check=False)
     assert proc.returncode == 2 and "saved with other data.sources" in proc.stderr.splitlines()[-1]
     assert "model:" not in proc.stdout  # refused before the model was built
@@ -249,13 +255,13 @@ def test_explicit_missing_checkpoint_path(tmp_path):
 
 def test_finetune_from_shards_of_another_world_size(tmp_path, straight):
     """init_from loads only the weights (here from a 2-rank checkpoint into 1 rank): the fine-tune
-    starts at the pretrained loss, not at a fresh model's, with a fresh step count and schedule."""
-    run_train(BASE + ["train.max_steps=1", "train.seed=7", f"train.run_dir={tmp_path}/fresh"])
+    starts at the pretrained loss, not at a fresh model's (straight[1]'s step 1: a fresh model on the
+    same data), with a fresh step count and schedule."""
     ft = run_train(BASE + ["train.max_steps=2", f"checkpoint.init_from={straight[2]}/checkpoints",
                            "data.sources=[{path: builtin:python-docs}]", f"train.run_dir={tmp_path}/ft"],
                    config=REPO / "configs" / "finetune_tiny.yaml")
     assert "fine-tuning from" in ft.stdout
-    got, scratch = losses(tmp_path / "ft"), losses(tmp_path / "fresh")
+    got, scratch = losses(tmp_path / "ft"), losses(straight[1])
     assert sorted(got) == [1, 2]
     assert got[1] < scratch[1] - 0.5
     # A fresh schedule: step 1 uses the first warmup rate, lr / warmup_steps (not step 9's).

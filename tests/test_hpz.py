@@ -10,10 +10,11 @@ from pretrain.estimate.comm import zero3_gathered, zero_traffic
 from pretrain.model.model import num_params
 
 RUN = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "data.seq_len=1024",
-       "model.max_seq_len=1024", "train.micro_batch_size=1", "train.global_batch_size=8", "train.max_steps=3",
+       "model.max_seq_len=1024", "train.micro_batch_size=1", "train.global_batch_size=8", "train.max_steps=2",
        "logging.log_every=1", "logging.wandb=disabled", "train.eval_every=0", "distributed.zero_stage=3",
        "train.precision=bf16", "train.activation_checkpointing=1", "distributed.param_persistence_threshold=0",
-       "schedule.warmup_steps=1", "data.num_streams=4", "checkpoint.every=0", "logging.comm_bytes=true"]
+       "schedule.warmup_steps=1", "data.num_streams=4", "checkpoint.every=0", "logging.comm_bytes=true",
+       "data.tokenizer=builtin:python-bpe-512"]  # (a small head: bf16 matmuls are slow on a CPU)
 
 
 @pytest.mark.slow
@@ -26,7 +27,7 @@ def test_hpz_trains_exactly_as_zero3_with_its_gathers_inside_the_node(tmp_path):
     run_train_on_nodes([*RUN, f"train.run_dir={plain}"])
     run_train_on_nodes([*RUN, f"train.run_dir={hpz}", "distributed.hpz=true"])
     assert losses(hpz) == losses(plain)
-    assert len(losses(plain)) == 3
+    assert len(losses(plain)) == 2
     plain_c, hpz_c = (next(r for r in read_metrics(run) if r.get("step") == 2 and "comm/bytes_per_step" in r)
                       for run in (plain, hpz))
     for r in (plain_c, hpz_c):  # the gradients: reduce-scattered across the nodes alike
@@ -38,7 +39,7 @@ def test_hpz_trains_exactly_as_zero3_with_its_gathers_inside_the_node(tmp_path):
     assert hpz_c["comm/all_gather_inter_bytes"] == pytest.approx(plain_c["comm/all_gather_inter_bytes"] / 2)
     assert hpz_c["comm/all_gather_intra_bytes"] == pytest.approx(plain_c["comm/all_gather_inter_bytes"] / 2 * (1 / 2) / (3 / 4))
     # What pretrain estimate says of both (its counted ZeRO-3 rules, zero_traffic's split).
-    cfg = load_config(REPO / "configs" / "tiny.yaml", [*RUN, "model.vocab_size=4096"])  # (tiny's tokenizer's)
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [*RUN, "model.vocab_size=512"])  # (the tokenizer's)
     z = zero3_gathered(cfg.model, 0)
     for on, r in ((False, plain_c), (True, hpz_c)):
         intra, inter = zero_traffic(num_params(cfg.model), 3, 4, 2, 2, 4, 2, on, **z)

@@ -12,6 +12,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,43 +30,7 @@ from pretrain.model.model import Transformer
 from pretrain.optim.optimizer import MUON_ROLES, role, set_lr
 from pretrain.parallel.parallelize import build_engine, build_model, deepspeed_config
 
-stage, name, steps, clip, drop_first, precision, accum, seq = (int(sys.argv[1]), sys.argv[2], int(sys.argv[3]),
-                                                              float(sys.argv[4]), sys.argv[5] == "1", sys.argv[6],
-                                                              int(sys.argv[7]), int(sys.argv[8]))
 ws = int(os.environ["WORLD_SIZE"])
-cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [
-    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
-    f"model.max_seq_len={seq}", f"data.seq_len={seq}", "train.micro_batch_size=2", f"train.precision={precision}",
-    "train.activation_checkpointing=1",
-    f"distributed.zero_stage={stage}", "distributed.param_persistence_threshold=0", f"optimizer.name={name}",
-    "optimizer.muon_ns_method=gram", f"optimizer.grad_clip={clip}", "optimizer.lr=0.02", "optimizer.weight_decay=0.1",
-    f"train.global_batch_size={2 * ws * accum}"])
-rank, o = env.rank, cfg.optimizer
-ds = deepspeed_config(cfg, ws, precision)
-engine = build_engine(build_model(cfg.model, cfg, ds, seed=0), cfg, ds, env.device)
-
-def weights():
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-        return {k: v.detach().clone().float() for k, v in engine.module.named_parameters()}
-
-w0 = weights()
-inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
-step = inner.step
-g = torch.Generator().manual_seed(0)
-batches = [torch.randint(0, 256, (2 * ws * accum, seq + 1), generator=g) for _ in range(steps)]
-norms = []
-for k, b in enumerate(batches):
-    # drop_first: the first update dropped as the trainer's guard drops one (its inner step not run)
-    inner.step = (lambda *a, **kw: None) if drop_first and k == 0 else step
-    before = weights()  # (the last step's update is checked for orthogonality)
-    set_lr(engine.optimizer, o.lr)
-    for m in range(accum):  # micro-batch m of this rank: rows of chunk m x ws + rank
-        mine = b[(m * ws + rank) * 2:(m * ws + rank + 1) * 2]
-        engine.backward(engine(mine[:, :-1], labels=mine[:, 1:]))
-        engine.step()
-    norm = engine.get_global_grad_norm()  # (None at ZeRO-0 in fp32: the trainer takes it there)
-    norms.append(None if norm is None else float(norm))
-w1 = weights()
 
 # The reference: the same weights in a plain model, the whole global batch, torch's optimizers.
 # DeepSpeed's Gram Newton-Schulz runs in fp32 on a CPU (ns_compute_dtype: no fp16 there);
@@ -82,47 +47,98 @@ def newton_schulz_fp32(grad, coefficients, steps, eps):
     return x.T if grad.size(0) > grad.size(1) else x
 torch_muon._zeropower_via_newtonschulz = newton_schulz_fp32
 
-ref = Transformer(engine.module.args)
-ref.load_state_dict(w0, strict=False)
-hidden = {n for n, p in ref.named_parameters() if p.ndim == 2 and role(n, 2) in MUON_ROLES}
-params = dict(ref.named_parameters())
-matrices = [params[n] for n in hidden]
-decay = [p for n, p in params.items() if n not in hidden and p.ndim == 2 and "tok_embeddings" not in n]
-rest = [p for n, p in params.items() if n not in hidden and not (p.ndim == 2 and "tok_embeddings" not in n)]
-adamw = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-optimizers = [torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                                 {"params": rest, "weight_decay": 0.0}], **adamw)]
-optimizers.append(torch.optim.Muon(matrices, lr=o.lr, weight_decay=o.weight_decay, momentum=o.muon_momentum,
-                                   nesterov=True, ns_steps=5, adjust_lr_fn="match_rms_adamw") if name == "muon"
-                  else torch.optim.AdamW(matrices, weight_decay=o.weight_decay, **adamw))
-ref_norms = []
-for b in batches[1:] if drop_first else batches:
-    for opt in optimizers:
-        opt.zero_grad()
-    n = ws * accum  # the mean of the micro-batches' mean losses, as the engine averages them
-    (sum(ref(b[r * 2:(r + 1) * 2, :-1], labels=b[r * 2:(r + 1) * 2, 1:]) for r in range(n)) / n).backward()
-    norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
-    ref_norms.append(norm.item())
-    if clip:  # the gradients, before any optimizer (torch's and Moonshot's order)
-        torch.nn.utils.clip_grads_with_norm_(ref.parameters(), clip, norm)
-    for opt in optimizers:
-        opt.step()
-out = {}
-for n, p in ref.named_parameters():
-    want, got = p.detach() - w0[n], w1[n] - w0[n]
-    out[n] = {"rel_err": ((got - want).norm() / want.norm()).item()}
-    if n in hidden:  # the last step's update itself (decay taken out): singular values
-        s = torch.linalg.svdvals((w1[n] - before[n] * (1 - o.lr * o.weight_decay)) / -o.lr)
-        out[n]["sv_ratio"] = (s.max() / s.min()).item()
-out["norms"] = {"engine": norms, "reference": ref_norms}
-if rank == 0:
-    print("RESULT " + json.dumps(out))
+
+def run(stage, name, steps, clip, drop_first, precision, accum, seq):
+    # One scenario: its own engine (built as a fresh process would build it: seeded weights, seeded
+    # batches) against the reference.
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [
+        "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
+        f"model.max_seq_len={seq}", f"data.seq_len={seq}", "train.micro_batch_size=2", f"train.precision={precision}",
+        "train.activation_checkpointing=1",
+        f"distributed.zero_stage={stage}", "distributed.param_persistence_threshold=0", f"optimizer.name={name}",
+        "optimizer.muon_ns_method=gram", f"optimizer.grad_clip={clip}", "optimizer.lr=0.02", "optimizer.weight_decay=0.1",
+        f"train.global_batch_size={2 * ws * accum}"])
+    rank, o = env.rank, cfg.optimizer
+    ds = deepspeed_config(cfg, ws, precision)
+    engine = build_engine(build_model(cfg.model, cfg, ds, seed=0), cfg, ds, env.device)
+
+    def weights():
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            return {k: v.detach().clone().float() for k, v in engine.module.named_parameters()}
+
+    w0 = weights()
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    step = inner.step
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 256, (2 * ws * accum, seq + 1), generator=g) for _ in range(steps)]
+    norms = []
+    for k, b in enumerate(batches):
+        # drop_first: the first update dropped as the trainer's guard drops one (its inner step not run)
+        inner.step = (lambda *a, **kw: None) if drop_first and k == 0 else step
+        before = weights()  # (the last step's update is checked for orthogonality)
+        set_lr(engine.optimizer, o.lr)
+        for m in range(accum):  # micro-batch m of this rank: rows of chunk m x ws + rank
+            mine = b[(m * ws + rank) * 2:(m * ws + rank + 1) * 2]
+            engine.backward(engine(mine[:, :-1], labels=mine[:, 1:]))
+            engine.step()
+        norm = engine.get_global_grad_norm()  # (None at ZeRO-0 in fp32: the trainer takes it there)
+        norms.append(None if norm is None else float(norm))
+    w1 = weights()
+
+    ref = Transformer(engine.module.args)
+    ref.load_state_dict(w0, strict=False)
+    hidden = {n for n, p in ref.named_parameters() if p.ndim == 2 and role(n, 2) in MUON_ROLES}
+    params = dict(ref.named_parameters())
+    matrices = [params[n] for n in hidden]
+    decay = [p for n, p in params.items() if n not in hidden and p.ndim == 2 and "tok_embeddings" not in n]
+    rest = [p for n, p in params.items() if n not in hidden and not (p.ndim == 2 and "tok_embeddings" not in n)]
+    adamw = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    optimizers = [torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                                     {"params": rest, "weight_decay": 0.0}], **adamw)]
+    optimizers.append(torch.optim.Muon(matrices, lr=o.lr, weight_decay=o.weight_decay, momentum=o.muon_momentum,
+                                       nesterov=True, ns_steps=5, adjust_lr_fn="match_rms_adamw") if name == "muon"
+                      else torch.optim.AdamW(matrices, weight_decay=o.weight_decay, **adamw))
+    ref_norms = []
+    for b in batches[1:] if drop_first else batches:
+        for opt in optimizers:
+            opt.zero_grad()
+        n = ws * accum  # the mean of the micro-batches' mean losses, as the engine averages them
+        (sum(ref(b[r * 2:(r + 1) * 2, :-1], labels=b[r * 2:(r + 1) * 2, 1:]) for r in range(n)) / n).backward()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+        ref_norms.append(norm.item())
+        if clip:  # the gradients, before any optimizer (torch's and Moonshot's order)
+            torch.nn.utils.clip_grads_with_norm_(ref.parameters(), clip, norm)
+        for opt in optimizers:
+            opt.step()
+    out = {}
+    for n, p in ref.named_parameters():
+        want, got = p.detach() - w0[n], w1[n] - w0[n]
+        out[n] = {"rel_err": ((got - want).norm() / want.norm()).item()}
+        if n in hidden:  # the last step's update itself (decay taken out): singular values
+            s = torch.linalg.svdvals((w1[n] - before[n] * (1 - o.lr * o.weight_decay)) / -o.lr)
+            out[n]["sv_ratio"] = (s.max() / s.min()).item()
+    out["norms"] = {"engine": norms, "reference": ref_norms}
+    engine.destroy()
+    return out
+
+
+for i, scenario in enumerate(json.loads(sys.argv[1])):
+    out = run(**scenario)
+    if env.rank == 0:
+        print(f"RESULT {i} " + json.dumps(out), flush=True)
 """
 
 
-def _step(stage: int, name: str, nproc: int = 1, steps: int = 2, clip: float = 0.0, drop_first: bool = False,
-          precision: str = "fp32", accum: int = 1, seq: int = 128) -> dict:
-    script = f"from pathlib import Path\nREPO = Path({str(REPO)!r})\n" + SCRIPT
+def _scenario(stage: int, name: str = "muon", steps: int = 2, clip: float = 0.0, drop_first: bool = False,
+              precision: str = "fp32", accum: int = 1, seq: int = 128) -> dict:
+    return dict(stage=stage, name=name, steps=steps, clip=clip, drop_first=drop_first, precision=precision,
+                accum=accum, seq=seq)
+
+
+def _launch(nproc: int, scenarios: list[dict], spread: Path | None = None) -> list[dict]:
+    """SCRIPT's scenarios, one after the other, in one process per rank (nproc ranks): their results;
+    then SPREAD's run, its files in `spread`, if given."""
+    script = f"from pathlib import Path\nREPO = Path({str(REPO)!r})\n" + SCRIPT + (SPREAD if spread else "")
     if nproc == 1:
         env = train_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
                          "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
@@ -134,15 +150,64 @@ def _step(stage: int, name: str, nproc: int = 1, steps: int = 2, clip: float = 0
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                str(free_port()), str(path)]
     try:
-        args = [str(stage), name, str(steps), str(clip), str(int(drop_first)), precision, str(accum), str(seq)]
-        proc = subprocess.run(cmd + args, cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run(cmd + [json.dumps(scenarios)] + ([str(spread)] if spread else []), cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300 * len(scenarios))
     finally:
         if nproc > 1:
             path.unlink(missing_ok=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(lines[0][len("RESULT "):])
+    assert proc.returncode == 0 and len(lines) == len(scenarios), proc.stdout[-2000:] + proc.stderr[-4000:]
+    return [json.loads(line.split(" ", 2)[2]) for line in lines]
+
+
+# The engine-step tests' scenarios (ranks, scenario), built as each test asks for its own.
+STEPS_CASES = [(0, 1, 0.0, 1), (3, 1, 0.0, 1), (3, 2, 0.0, 1), (3, 2, 0.3, 1), (3, 2, 0.3, 2), (1, 2, 0.3, 1),
+               (2, 2, 0.3, 2)]
+DROPPED_CASES = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16")]
+ACTIVE_STAGES = [3, 0]
+
+
+def _steps_case(stage, nproc, clip, accum):
+    return nproc, _scenario(stage, clip=clip, accum=accum)
+
+
+def _dropped_case(stage, precision):
+    bf16 = precision == "bf16"
+    return (2 if bf16 else 1), _scenario(stage, drop_first=True, precision=precision, clip=0.3 if bf16 else 0.0)
+
+
+def _active_case(stage):
+    return 2, _scenario(stage, steps=1, precision="bf16", seq=1024)
+
+
+BAND_CASE = (1, _scenario(0, "adamw", steps=1))
+SPREAD_CASE = (2, None)  # SPREAD's run: its files' folder
+CASES = ([_steps_case(*c) for c in STEPS_CASES] + [_dropped_case(*c) for c in DROPPED_CASES]
+         + [_active_case(s) for s in ACTIVE_STAGES] + [BAND_CASE])
+
+
+@pytest.fixture(scope="module")
+def engine_step(tmp_path_factory):
+    """case -> its result. Every scenario of one world size runs in one launch (each builds its own
+    engine, as its own process would: nothing carries from one to the next but the process group),
+    SPREAD's run last in the 2-rank one, at the first test that asks for one of them: two launches
+    for the module instead of sixteen."""
+    done: dict = {}
+    spread = tmp_path_factory.mktemp("spread")
+
+    def get(case):
+        nproc, scenario = case
+        mine = [s for n, s in CASES if n == nproc]
+        if nproc not in done:
+            try:
+                done[nproc] = _launch(nproc, mine, spread if nproc == 2 else None)
+            except AssertionError as e:  # (every test of that world fails with it, none launches again)
+                done[nproc] = e
+        if isinstance(done[nproc], AssertionError):
+            raise done[nproc]
+        return spread if scenario is None else dict(done[nproc][mine.index(scenario)])
+
+    return get
 
 
 # The FFN matrices and wk, wv have full-rank gradients at this size; wq and wo do not at the first
@@ -153,9 +218,8 @@ FULL_RANK = ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "attention
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,nproc,clip,accum", [(0, 1, 0.0, 1), (3, 1, 0.0, 1), (3, 2, 0.0, 1), (3, 2, 0.3, 1),
-                                                   (3, 2, 0.3, 2), (1, 2, 0.3, 1), (2, 2, 0.3, 2)])
-def test_muon_steps_as_torch_muon_does(stage, nproc, clip, accum):
+@pytest.mark.parametrize("stage,nproc,clip,accum", STEPS_CASES)
+def test_muon_steps_as_torch_muon_does(engine_step, stage, nproc, clip, accum):
     """Two steps (so the momentum counts) from the same weights. Measured: Muon's matrices within
     1.3e-3 relative (Frobenius) of torch.optim.Muon with adjust_lr_fn=match_rms_adamw, the AdamW
     part within 4e-5 (1 rank and 2 ranks alike). The fp32 iterations agree to ~2e-6 on one matrix;
@@ -171,7 +235,7 @@ def test_muon_steps_as_torch_muon_does(stage, nproc, clip, accum):
     Muon step by it: parallelize.muon_at_zero3, and muon_at_zero12 at ZeRO-1/2, where DeepSpeed
     orthogonalises while it cuts the gradient partitions). With 2 micro-batches per step Muon runs
     once per step on their mean (DeepSpeed #8443): measured within 2.4e-3."""
-    got = _step(stage, "muon", nproc, clip=clip, accum=accum)
+    got = engine_step(_steps_case(stage, nproc, clip, accum))
     norms = got.pop("norms")
     if stage:
         assert norms["engine"] == pytest.approx(norms["reference"], rel=1e-4)
@@ -185,17 +249,14 @@ def test_muon_steps_as_torch_muon_does(stage, nproc, clip, accum):
             assert r["sv_ratio"] < 3.0, (name, r)
 
 
+# test_muon_step_spreads_newton_schulz_and_sends_its_share's run: the 2-rank launch of SCRIPT runs it
+# after its scenarios (its counters then wrap only this engine's steps), writing to sys.argv[2].
 SPREAD = r"""
-import json, sys
 import deepspeed.comm as dcomm
-import torch
 from deepspeed.runtime.zero.muon import original_muon
-from pretrain.parallel import distributed
-env = distributed.init("gloo")
-from pretrain.config import load_config, zero_sizes
+from pretrain.config import zero_sizes
 from pretrain.estimate.muon import muon_step
 from pretrain.optim.muon import matrix_flops
-from pretrain.parallel.parallelize import build_engine, build_model, deepspeed_config
 
 cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
@@ -229,7 +290,7 @@ tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(
 for _ in range(2):
     engine.backward(engine(tokens[:, :-1], labels=tokens[:, 1:]))
     engine.step()
-with open(f"{sys.argv[1]}/rank{env.rank}.json", "w") as f:
+with open(f"{sys.argv[2]}/rank{env.rank}.json", "w") as f:
     json.dump({"rank": env.rank, "shapes": shapes, "sent": sent[0] / 2, "gathers": gathers[0],
                               "flops": sum(matrix_flops(s) for s in shapes) / 2,
                               "estimate": muon_step(cfg.model, 3, env.world_size, zero_sizes(cfg)["reduce_bucket_size"], 4)}, f)
@@ -237,7 +298,7 @@ with open(f"{sys.argv[1]}/rank{env.rank}.json", "w") as f:
 
 
 @pytest.mark.slow
-def test_muon_step_spreads_newton_schulz_and_sends_its_share(tmp_path):
+def test_muon_step_spreads_newton_schulz_and_sends_its_share(engine_step):
     """Our ZeRO-3 Muon step (pretrain/optim/muon.py) on 2 ranks, two steps: every Muon matrix is
     orthogonalised once per step, by one rank; the ranks' Newton-Schulz FLOPs differ by less than one
     matrix's (DeepSpeed's round robin per bucket gave rank 0 24 of 28 matrices on the estimate's
@@ -245,16 +306,8 @@ def test_muon_step_spreads_newton_schulz_and_sends_its_share(tmp_path):
     busiest rank (2 c per partition slice: the gradient and momentum slices of the matrices it does
     not own, n - 1 slices of the update and momentum back per matrix it owns), about 4 M c (n-1)/n^2;
     and DeepSpeed's own step (its all-gathers) does not run."""
-    path = REPO / ".pytest_muon_spread.py"
-    path.write_text(f"from pathlib import Path\nREPO = Path({str(REPO)!r})\n" + SPREAD)
-    try:
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                               "--master_port", str(free_port()), str(path), str(tmp_path)],
-                              cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
-    finally:
-        path.unlink(missing_ok=True)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    out = engine_step(SPREAD_CASE)
+    runs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     from pretrain.optim.muon import matrix_flops
 
     est = runs[0]["estimate"]
@@ -272,13 +325,13 @@ def test_muon_step_spreads_newton_schulz_and_sends_its_share(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [3, 0])
-def test_muon_is_active_on_the_users_path(stage):
+@pytest.mark.parametrize("stage", ACTIVE_STAGES)
+def test_muon_is_active_on_the_users_path(engine_step, stage):
     """bf16, ZeRO-3 under zero.Init (and ZeRO-0, which runs bf16 as ZeRO-1), activation
     checkpointing, 2 ranks, 1024-token sequences: the #8438 failure (every weight on AdamW) fails
     the band. Against the fp32 reference the step differs by bf16's rounding of the gradients and
     of the weights the update is read from."""
-    got = _step(stage, "muon", 2, steps=1, precision="bf16", seq=1024)
+    got = engine_step(_active_case(stage))
     got.pop("norms")
     for name, r in got.items():
         assert r["rel_err"] < 0.2, (name, r)
@@ -287,8 +340,8 @@ def test_muon_is_active_on_the_users_path(stage):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16")])
-def test_a_dropped_update_leaves_the_momentum(stage, precision):
+@pytest.mark.parametrize("stage,precision", DROPPED_CASES)
+def test_a_dropped_update_leaves_the_momentum(engine_step, stage, precision):
     """The trainer drops an update (non-finite loss, spike) by not running the inner optimizer's
     step. DeepSpeed folds the gradient into Muon's momentum before it: at ZeRO-3
     (stage3.py:2885; parallelize.muon_at_zero3 puts the momentum back), at ZeRO-1/2 (it commits the
@@ -299,7 +352,7 @@ def test_a_dropped_update_leaves_the_momentum(stage, precision):
     the gradients clipped at 0.3, which DeepSpeed's bf16 optimizer does before Newton-Schulz), within
     bf16's rounding of the fp32 reference, and the reported norm is the gradient's."""
     bf16 = precision == "bf16"
-    got = _step(stage, "muon", 2 if bf16 else 1, drop_first=True, precision=precision, clip=0.3 if bf16 else 0.0)
+    got = engine_step(_dropped_case(stage, precision))
     norms = got.pop("norms")
     if bf16:
         assert norms["engine"][1:] == pytest.approx(norms["reference"], rel=0.05)
@@ -311,11 +364,11 @@ def test_a_dropped_update_leaves_the_momentum(stage, precision):
 
 
 @pytest.mark.slow
-def test_the_band_tells_adamw_from_muon():
+def test_the_band_tells_adamw_from_muon(engine_step):
     """The negative control of the check above: with optimizer.name=adamw (the same step as every
     weight falling back to AdamW, the #8438 failure) the hidden matrices' updates are far from
     orthogonal, and the AdamW path is torch's AdamW exactly as before."""
-    got = _step(0, "adamw", steps=1)
+    got = engine_step(BAND_CASE)
     got.pop("norms")
     for name, r in got.items():
         assert r["rel_err"] < 1e-6, (name, r)
@@ -417,7 +470,9 @@ def test_muon_checkpoints_resume_bitwise_and_refuse_what_they_cannot(tmp_path):
     bitwise (the momentum buffers are in DeepSpeed's optimizer shards); at 1 rank it repeats them
     within 1e-6 (its own universal conversion: DeepSpeed's fails on Muon's state, KeyError
     'exp_avg'); with optimizer.name=adamw it is refused (a resume keeps the optimizer). Fine-tuning from it with
-    AdamW starts a fresh optimizer; asking to load its optimizer state then is refused."""
+    AdamW starts a fresh optimizer; asking to load its optimizer state then is refused. (The two
+    refusals run on 1 rank: the check reads meta.json before any shard, at any world size, and a
+    1-rank run expected to fail is forked, not started fresh under torchrun.)"""
     import shutil
 
     from helpers import losses, run_train
@@ -434,10 +489,10 @@ def test_muon_checkpoints_resume_bitwise_and_refuse_what_they_cannot(tmp_path):
     assert json.loads((tmp_path / "tuned" / "checkpoints" / "step_00000002" / "meta.json").read_text())[
         "optimizer"] == "adamw", tuned.stdout[-2000:]
     carried = run_train(base + ["optimizer.name=adamw", f"checkpoint.init_from={step4}", "checkpoint.init_load_optimizer=true",
-                                f"train.run_dir={tmp_path / 'carried'}"], nproc=2, check=False)
+                                f"train.run_dir={tmp_path / 'carried'}"], nproc=1, check=False)
     assert carried.returncode != 0 and "was trained with optimizer.name=muon" in carried.stdout + carried.stderr
     want = losses(straight)
-    for name, nproc, extra in [("again", 2, []), ("one", 1, []), ("adamw", 2, ["optimizer.name=adamw"])]:
+    for name, nproc, extra in [("again", 2, []), ("one", 1, []), ("adamw", 1, ["optimizer.name=adamw"])]:
         shutil.copytree(straight / "checkpoints" / "step_00000004", tmp_path / name / "checkpoints" / "step_00000004")
         proc = run_train(base + extra + ["checkpoint.resume=auto", f"train.run_dir={tmp_path / name}"], nproc=nproc,
                          check=name != "adamw")

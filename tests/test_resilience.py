@@ -27,6 +27,7 @@ TIMEOUT = 8  # resilience.hang_timeout_s in these tests
 # SIGTERM-then-SIGKILL of the ranks left (30 s), and the launcher's own exit.
 MARGIN = 10 + 30 + 15
 USER_PATH = ["train.precision=bf16", "train.activation_checkpointing=1"]  # (ZeRO-3: BASE)
+SMALL_HEAD = "data.tokenizer=builtin:python-bpe-512"  # (vocab 512: bf16 matmuls are slow on a CPU)
 SPIKY = BASE + ["train.max_steps=16", "resilience.spike_warmup=8", "resilience.spike_window=16",
                 "distributed.zero_stage=0", "checkpoint.every=10", "train.on_nonfinite=skip"]
 ROLLBACK = SPIKY + ["train.max_steps=24", "resilience.rollback_after=3", "resilience.rollback_window=5",
@@ -319,12 +320,13 @@ def test_a_hang_report_needs_no_file_system(tmp_path):
     """RUN/hangs is a file (as a full disk or a lost mount would refuse it): the stacks cannot be
     written, yet the verdict comes, on stderr, naming rank 1, and every rank exits 4 within the
     timeout and the margin (not at the collective timeout). The user's path: bf16, ZeRO-3,
-    activation checkpointing."""
+    activation checkpointing (SMALL_HEAD)."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "hangs").touch()
     start = time.time()
-    proc = _start(run, "hang@rank=1,step=3", extra=USER_PATH, env={"PRETRAIN_EXIT_FILE": str(tmp_path / "exit.json")})
+    proc = _start(run, "hang@rank=1,step=3", extra=[*USER_PATH, SMALL_HEAD],
+                  env={"PRETRAIN_EXIT_FILE": str(tmp_path / "exit.json")})
     out, _ = proc.communicate(timeout=TIMEOUT + MARGIN + 120)
     assert time.time() - start < 60 + TIMEOUT + MARGIN
     assert out.count("exitcode  : 4") == 2, out[-4000:]
@@ -533,16 +535,17 @@ def test_sigusr1_during_startup_requeues_the_job(tmp_path, when):
 @pytest.mark.slow
 def test_long_phases_that_make_progress_are_not_hangs(tmp_path):
     """hang_timeout_s=4 with phases longer than that which make progress, on 2 ranks on the user's
-    path (bf16, ZeRO-3, activation checkpointing): 6000 batches of data skipped before step 3, and
-    the final evaluation: 200 batches and 2000 task instances (each several seconds: 8000 instances
-    took 152 s on a loaded 2-core machine). Each marks progress as it goes; one that did not would
-    be killed as a hang (exit 4)."""
+    path (bf16, ZeRO-3, activation checkpointing; SMALL_HEAD): 6000 batches of data skipped before
+    step 3, and the final evaluation: 200 batches and 1500 task instances (a task instance costs about
+    half a batch; each phase several times the timeout on a 2-core machine, eval/tasks_s checks the
+    tasks'). Each marks progress as it goes; one that did not would be killed as a hang (exit 4)."""
     tasks = tmp_path / "mine.jsonl"
     tasks.write_text("".join(json.dumps({"context": f"Call number {i} returns", "continuation": " a value"}) + "\n"
-                             for i in range(2000)))
-    run_train(BASE + USER_PATH + ["train.max_steps=4", "resilience.hang_timeout_s=4", "train.eval_batches=200",
-                                  "resilience.skip_batches=[[3,6000]]", f"train.eval_tasks=[{tasks}]",
-                                  "train.eval_task_limit=0", f"train.run_dir={tmp_path / 'run'}"], nproc=2)
+                             for i in range(1500)))
+    run_train(BASE + USER_PATH + [SMALL_HEAD, "train.max_steps=4", "resilience.hang_timeout_s=4",
+                                  "train.eval_batches=200", "resilience.skip_batches=[[3,6000]]",
+                                  f"train.eval_tasks=[{tasks}]", "train.eval_task_limit=0",
+                                  f"train.run_dir={tmp_path / 'run'}"], nproc=2)
     [final] = [r for r in read_metrics(tmp_path / "run") if "eval/loss" in r]
     assert final["step"] == 4 and final["eval/tasks_s"] > 4
 
@@ -608,9 +611,9 @@ RESIZED = BASE + ["train.max_steps=14", "checkpoint.every=3"]
 @pytest.mark.slow
 def test_a_decay_branch_after_a_resume_at_another_world_size(tmp_path):
     """The branch restores a checkpoint this world size saved: it must load it as it is, while the
-    start loaded the 2-rank one through its universal conversion. bf16, ZeRO-3, AC."""
-    wsd = RESIZED + USER_PATH + ["schedule.kind=wsd", "schedule.decay_points=[10]", "schedule.decay_fraction=0.2",
-                                 "train.eval_every=0", f"train.run_dir={tmp_path}"]
+    start loaded the 2-rank one through its universal conversion. bf16, ZeRO-3, AC (SMALL_HEAD)."""
+    wsd = RESIZED + USER_PATH + [SMALL_HEAD, "schedule.kind=wsd", "schedule.decay_points=[10]",
+                                 "schedule.decay_fraction=0.2", "train.eval_every=0", f"train.run_dir={tmp_path}"]
     proc = run_train(wsd, nproc=2, env={"PRETRAIN_FAULT": "signal@step=5,signum=15"}, check=False)
     assert proc.returncode != 0 and "saved step 5" in proc.stdout, proc.stdout[-3000:]
     proc = run_train(wsd + ["checkpoint.resume=auto"], nproc=1)

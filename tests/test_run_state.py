@@ -48,9 +48,9 @@ def test_a_fresh_run_refuses_a_dir_holding_another_run(tmp_path):
     """Once: the fresh run trained, rotation deleted the old run's checkpoints, it died with
     FileNotFoundError, and resume=auto then continued the old run."""
     run = tmp_path / "x"
-    run_train(O + [f"train.run_dir={run}", "train.max_steps=20", "checkpoint.every=5"])
+    run_train(O + [f"train.run_dir={run}", "train.max_steps=4", "checkpoint.every=2"])
     before = _tree(run)
-    again = O + [f"train.run_dir={run}", "train.max_steps=20", "checkpoint.every=5", "optimizer.lr=1e-3"]
+    again = O + [f"train.run_dir={run}", "train.max_steps=4", "checkpoint.every=2", "optimizer.lr=1e-3"]
     proc = run_train(again, check=False)
     assert proc.returncode == 2
     line = _one_error_line(proc)
@@ -69,24 +69,36 @@ def test_a_fresh_run_refuses_a_dir_holding_another_run(tmp_path):
     assert _tree(moved) == before
     new_id = json.loads((run / "run.json").read_text())["run_id"]
     assert new_id != old_id
-    assert sorted(r["step"] for r in read_metrics(run) if "train/loss" in r) == list(range(1, 21))
+    assert sorted(r["step"] for r in read_metrics(run) if "train/loss" in r) == list(range(1, 5))
+
+
+def _left_running(overrides, out):
+    """`pretrain train` left running, its stdout and stderr in the file `out`: forked from the
+    zygote (tests/zygote.py: no start-up imports) where it can be, else started fresh."""
+    from helpers import Forked, _zygote_can_fork
+
+    env, argv = train_env(), ["train", str(TINY), "logging.progress=false", *overrides]
+    if _zygote_can_fork(env):
+        return Forked(argv, env, REPO, out.fileno(), out.fileno())
+    return subprocess.Popen([sys.executable, "-m", "pretrain", *argv], cwd=REPO, env=env, stdout=out, stderr=out)
 
 
 def test_a_second_run_on_the_same_dir_refuses_naming_the_holder(tmp_path):
-    first = _popen(O + [f"train.run_dir={tmp_path}", "train.max_steps=100000"])
-    try:
-        deadline = time.time() + 120
-        while not (tmp_path / "metrics.jsonl").exists():
-            assert first.poll() is None and time.time() < deadline, first.communicate()
-            time.sleep(0.1)
-        second = run_train(O + [f"train.run_dir={tmp_path}", "checkpoint.resume=auto"], check=False)
-        assert second.returncode == 2
-        line = _one_error_line(second)
-        assert f"is in use by pid {first.pid} on host {socket.gethostname()}" in line
-        assert first.poll() is None  # the first run is unharmed
-    finally:
-        first.kill()
-        first.communicate()
+    with open(tmp_path.parent / f"{tmp_path.name}.first.log", "w+") as out:
+        first = _left_running(O + [f"train.run_dir={tmp_path}", "train.max_steps=100000"], out)
+        try:
+            deadline = time.time() + 120
+            while not (tmp_path / "metrics.jsonl").exists():
+                assert first.poll() is None and time.time() < deadline, Path(out.name).read_text()[-3000:]
+                time.sleep(0.1)
+            second = run_train(O + [f"train.run_dir={tmp_path}", "checkpoint.resume=auto"], check=False)
+            assert second.returncode == 2
+            line = _one_error_line(second)
+            assert f"is in use by pid {first.pid} on host {socket.gethostname()}" in line
+            assert first.poll() is None  # the first run is unharmed
+        finally:
+            first.kill()
+            first.wait()
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -139,9 +151,17 @@ def test_skipped_steps_advance_the_schedule_and_log_the_rate_they_used(tmp_path,
         assert records[s]["train/lr"] == pytest.approx(lr, rel=1e-9), s
 
 
+@pytest.fixture(scope="module")
+def one_step(tmp_path_factory):
+    """A 1-step run of O: tests that change it change a copy."""
+    run = tmp_path_factory.mktemp("one_step") / "run"
+    run_train(O + [f"train.run_dir={run}", "train.max_steps=1"])
+    return run
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_export_and_generate_verify_the_checkpoint_first(tmp_path, damage):
-    run_train(O + [f"train.run_dir={tmp_path}/run", "train.max_steps=1"])
+def test_export_and_generate_verify_the_checkpoint_first(tmp_path, one_step, damage):
+    shutil.copytree(one_step, tmp_path / "run")
     shard = tmp_path / "run" / "checkpoints" / "step_00000001" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     data = bytearray(shard.read_bytes())
     if damage == "flip":
@@ -192,16 +212,18 @@ def test_a_full_disk_during_a_save(tmp_path):
 
 
 def test_resume_from_an_older_checkpoint_does_not_repeat_steps(tmp_path):
-    run_train(O + [f"train.run_dir={tmp_path}", "train.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=5"])
+    """Resumed from step 2 of a 4-step run: steps 3-4 are trained once more, logged once, and equal
+    the first run's (step 4's loss needs step 3's update with the restored Adam moments)."""
+    run_train(O + [f"train.run_dir={tmp_path}", "train.max_steps=4", "checkpoint.every=2", "checkpoint.keep_last=5"])
     ref = losses(tmp_path)
-    proc = run_train(O + [f"train.run_dir={tmp_path}", "train.max_steps=6", "checkpoint.every=2",
-                          f"checkpoint.resume={tmp_path}/checkpoints/step_00000004"])
-    assert "step_00000006 is newer than the checkpoint resumed from" in proc.stdout
+    proc = run_train(O + [f"train.run_dir={tmp_path}", "train.max_steps=4", "checkpoint.every=2",
+                          f"checkpoint.resume={tmp_path}/checkpoints/step_00000002"])
+    assert "step_00000004 is newer than the checkpoint resumed from" in proc.stdout
     steps = [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r]
-    assert steps == [1, 2, 3, 4, 5, 6]  # once each
+    assert steps == [1, 2, 3, 4]  # once each
     assert losses(tmp_path) == ref  # and the same history
     [aside] = (tmp_path / "checkpoints" / "set_aside").iterdir()
-    assert aside.name.startswith("step_00000006.after_step_00000004")
+    assert aside.name.startswith("step_00000004.after_step_00000002")
 
 
 def test_failed_starts_leave_no_run_dir(tmp_path):
@@ -256,12 +278,11 @@ def test_backend_from_the_yaml_is_used(tmp_path):
     assert proc.returncode == 2 and "distributed.backend=nccl needs CUDA" in _one_error_line(proc)
 
 
-def test_checkpoints_and_run_json_name_the_code_that_wrote_them(tmp_path):
-    run_train(O + [f"train.run_dir={tmp_path}", "train.max_steps=1"])
+def test_checkpoints_and_run_json_name_the_code_that_wrote_them(one_step):
     from importlib.metadata import version
 
-    meta = json.loads((tmp_path / "checkpoints" / "step_00000001" / "meta.json").read_text())
-    run = json.loads((tmp_path / "run.json").read_text())
+    meta = json.loads((one_step / "checkpoints" / "step_00000001" / "meta.json").read_text())
+    run = json.loads((one_step / "run.json").read_text())
     # The tests run from a git checkout (CI: a clone): the commit is HEAD's, "-dirty" with changes.
     git = lambda *a: subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True, check=True).stdout.strip()  # noqa: E731
     dirty = git("status", "--porcelain", "--untracked-files=no")
@@ -272,18 +293,19 @@ def test_checkpoints_and_run_json_name_the_code_that_wrote_them(tmp_path):
     assert meta["run_id"] == run["run_id"] and meta["format"] == 2
 
 
-def test_overwrite_together_with_resume_is_one_config_line(tmp_path):
+def test_overwrite_together_with_resume_is_one_config_line(tmp_path, one_step):
     """A requeued job (checkpoint.resume) must never start over: with train.overwrite=true it is a
     config error before anything starts, and the run dir is left alone."""
-    run_train(O + [f"train.run_dir={tmp_path}", "train.max_steps=1"])
-    before = _tree(tmp_path)
-    for resume in ("auto", str(tmp_path / "checkpoints" / "step_00000001")):
-        proc = run_train(O + [f"train.run_dir={tmp_path}", "train.overwrite=true", f"checkpoint.resume={resume}"],
+    run = tmp_path / "run"
+    shutil.copytree(one_step, run)
+    before = _tree(run)
+    for resume in ("auto", str(run / "checkpoints" / "step_00000001")):
+        proc = run_train(O + [f"train.run_dir={run}", "train.overwrite=true", f"checkpoint.resume={resume}"],
                          check=False)
         assert proc.returncode == 2
         assert _one_error_line(proc) == (f"pretrain: error: train.overwrite=true starts the run over, checkpoint.resume="
                                          f"{resume} continues it: set only one (a requeued job must never overwrite)")
-        assert _tree(tmp_path) == before and not (tmp_path / "replaced").exists()
+        assert _tree(run) == before and not (run / "replaced").exists()
 
 
 FT = ["data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", "data.validation=[]",

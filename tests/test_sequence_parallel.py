@@ -80,13 +80,15 @@ from pretrain.model.args import ModelArgs
 from pretrain.model.model import Transformer
 from pretrain.parallel import distributed, ulysses
 
-sp = int(sys.argv[1])
-env = distributed.init("gloo")
-env = distributed.init_layout(env, sp, 1)
-group = distributed.sequence_group()
+world = distributed.init("gloo")
 T, B, EOT = 1024, 2, 0
-out = []
-for kv, mask, positions in [(4, False, False), (2, False, False), (1, True, True), (2, True, False)]:
+out, env = [], None
+for sp, kv, mask, positions in [(int(sp), *case) for sp in sys.argv[1:] for case in
+                                [(4, False, False), (2, False, False), (1, True, True), (2, True, False)]]:
+    if env is None or env.sp != sp:  # (another size of group in the same world: its groups made anew)
+        distributed._SEQUENCE_GROUP = None
+        env = distributed.init_layout(world, sp, 1)
+        group = distributed.sequence_group()
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=kv, vocab_size=128, multiple_of=32, max_seq_len=T,
                      document_mask=mask, document_positions=positions, eot_id=EOT)
     torch.manual_seed(0)
@@ -117,7 +119,8 @@ for kv, mask, positions in [(4, False, False), (2, False, False), (1, True, True
         dist.all_reduce(grad, group=group)
         grad /= sp
         worst = max(worst, ((grad - q.grad).abs().max() / q.grad.abs().max()).item())
-    case = {"kv": kv, "mask": mask, "positions": positions, "loss": mean.item(), "ref": ref.item(), "grad": worst}
+    case = {"sp": sp, "kv": kv, "mask": mask, "positions": positions, "loss": mean.item(), "ref": ref.item(),
+            "grad": worst}
     if mask:  # the packed sequence scores token for token like each document alone
         with torch.no_grad():
             logits = model(shard["input_ids"], positions=shard["positions"], documents=shard["documents"])
@@ -139,16 +142,16 @@ for kv, mask, positions in [(4, False, False), (2, False, False), (1, True, True
             case["alone"] = (packed - alone).abs().max().item()
             case["documents"] = int(docs.max()) + 1
     out.append(case)
-if env.rank == 0:
+if world.rank == 0:
     print("RESULT " + json.dumps(out))
 distributed.shutdown()
 """
 
 
-def _exact(nproc: int, sp: int, tmp_path) -> list[dict]:
+def _exact(nproc: int, sps: list[int], tmp_path) -> list[dict]:
     script = tmp_path / "exact.py"
     script.write_text(_EXACT)
-    cmd = [sys.executable, str(script), str(sp)]
+    cmd = [sys.executable, str(script), *map(str, sps)]
     if nproc > 1:
         cmd[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
     proc = subprocess.run(cmd, cwd=REPO, env=train_env({"PYTHONPATH": str(REPO)}), capture_output=True, text=True,
@@ -158,15 +161,17 @@ def _exact(nproc: int, sp: int, tmp_path) -> list[dict]:
     return json.loads(lines[0][len("RESULT "):])
 
 
-@pytest.mark.parametrize("nproc, sp", [  # (4 ranks on 2 cores, and the reference alone: the full suite's)
-    pytest.param(1, 1, marks=pytest.mark.slow), (2, 2), pytest.param(4, 4, marks=pytest.mark.slow),
-    pytest.param(4, 2, marks=pytest.mark.slow)])
-def test_a_sequence_parallel_group_computes_what_one_process_does(nproc, sp, tmp_path):
+@pytest.mark.parametrize("nproc, sps", [  # (4 ranks on 2 cores, and the reference alone: the full suite's)
+    pytest.param(1, [1], marks=pytest.mark.slow, id="1-1"), pytest.param(2, [2], id="2-2"),
+    pytest.param(4, [4, 2], marks=pytest.mark.slow, id="4-4-and-2")])  # (both layouts of 4 ranks in one launch)
+def test_a_sequence_parallel_group_computes_what_one_process_does(nproc, sps, tmp_path):
     """Loss within 1e-6 (relative, fp32) and every gradient within 1e-5 of its tensor's largest entry,
     with MHA, GQA, KV heads replicated (1 and 2 KV heads at N = 4), unscored labels on some ranks
     only (the mean is over the group's tokens, not of the ranks' means), positions offset to the
     slice's place, and document masking: token for token like each document alone."""
-    for case in _exact(nproc, sp, tmp_path):
+    cases = _exact(nproc, sps, tmp_path)
+    assert [c["sp"] for c in cases] == [sp for sp in sps for _ in range(4)]
+    for case in cases:
         assert case["loss"] == pytest.approx(case["ref"], rel=1e-6), case
         assert case["grad"] < 1e-5, case
         if case["mask"]:
@@ -257,10 +262,23 @@ def _losses_and_eval(run):
     return losses(run), [r["eval/loss"] for r in records if "eval/loss" in r]
 
 
+# (a narrower, shallower model and the 512-token vocabulary: the layout is the subject, not the shape; 4 heads,
+# so that SP=2 splits them)
 SP_RUN = ["data.seq_len=1024", "model.max_seq_len=1024", "train.micro_batch_size=1", "train.global_batch_size=2",
           "train.max_steps=3", "logging.log_every=1", "logging.wandb=disabled", "train.eval_every=3",
           "train.eval_batches=1", "distributed.zero_stage=3", "train.activation_checkpointing=1",
-          "schedule.warmup_steps=1", "data.num_streams=4"]
+          "schedule.warmup_steps=1", "data.num_streams=4", "model.dim=64", "model.n_layers=2",
+          "data.tokenizer=builtin:python-bpe-512"]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """SP_RUN at one rank in fp32 (ZeRO-3) with a checkpoint after every step, all kept: the reference of the
+    fp32 runs below with no other setting, and the uninterrupted run the resumes are held against
+    (its step-1 checkpoint the start of one)."""
+    run = tmp_path_factory.mktemp("sp") / "one"
+    run_train([*SP_RUN, "train.precision=fp32", "checkpoint.every=1", "checkpoint.keep_last=3", f"train.run_dir={run}"])
+    return run
 
 
 def _norms(run) -> dict[int, float]:
@@ -275,68 +293,73 @@ def _norms(run) -> dict[int, float]:
     ("fp32", 0, [], 1e-6),
     ("fp32", 2, [], 1e-6),
 ])
-def test_sequence_parallel_training_equals_one_rank(tmp_path, precision, stage, extra, rel):
+def test_sequence_parallel_training_equals_one_rank(request, tmp_path, precision, stage, extra, rel):
     """SP=2 against one rank: the loss and the global gradient norm of every step (a gradient off by
     a factor the loss and Adam's normalised update would hide shows in the norm), the weights after
-    the last step, the in-loop eval, and the tokens drawn (one count per sequence)."""
-    runs = {}
-    for nproc, sp in [(1, 1), (2, 2)]:
-        run = tmp_path / f"sp{sp}"
-        run_train([*SP_RUN, *extra, f"train.precision={precision}", f"train.run_dir={run}",
-                   f"distributed.zero_stage={stage}", f"distributed.sequence_parallel={sp}"], nproc=nproc)
-        runs[sp] = _losses_and_eval(run)
-    (one, one_eval), (two, two_eval) = runs[1], runs[2]
-    assert one.keys() == two.keys() == {1, 2, 3}
-    norms = _norms(tmp_path / "sp1"), _norms(tmp_path / "sp2")
-    for step in one:
-        assert two[step] == pytest.approx(one[step], rel=rel), (step, one, two)
+    the last step, the in-loop eval, and the tokens drawn (one count per sequence). The fp32 runs
+    with no other setting (ZeRO-0 and ZeRO-2) share one reference, one rank at ZeRO-3 (`one_rank`):
+    one rank computes the same at every stage."""
+    if precision == "fp32" and not extra:
+        one = request.getfixturevalue("one_rank")
+    else:
+        one = tmp_path / "sp1"
+        run_train([*SP_RUN, *extra, f"train.precision={precision}", f"train.run_dir={one}",
+                   f"distributed.zero_stage={stage}"])
+    run_train([*SP_RUN, *extra, f"train.precision={precision}", f"train.run_dir={tmp_path / 'sp2'}",
+               f"distributed.zero_stage={stage}", "distributed.sequence_parallel=2"], nproc=2)
+    (one_losses, one_eval), (two, two_eval) = _losses_and_eval(one), _losses_and_eval(tmp_path / "sp2")
+    assert one_losses.keys() == two.keys() == {1, 2, 3}
+    norms = _norms(one), _norms(tmp_path / "sp2")
+    for step in one_losses:
+        assert two[step] == pytest.approx(one_losses[step], rel=rel), (step, one_losses, two)
         # (the first step's norm is of the same weights' gradients; later ones of weights that
         # Adam's eps-scale updates moved apart by a few 1e-6)
         assert norms[1][step] == pytest.approx(norms[0][step], rel=rel if step == 1 else max(rel, 1e-4)), (step, norms)
     assert two_eval == pytest.approx(one_eval, rel=rel)
     from pretrain.checkpoint.weights import consolidated_state_dict
 
-    a, b = (consolidated_state_dict(tmp_path / run / "checkpoints" / "step_00000003") for run in ("sp1", "sp2"))
+    a, b = (consolidated_state_dict(run / "checkpoints" / "step_00000003") for run in (one, tmp_path / "sp2"))
     for name in a:  # (relative Frobenius norm: Adam magnifies gradients near its eps; bf16 its rounding)
         assert ((b[name] - a[name]).norm() / a[name].norm()).item() < (2e-2 if precision == "bf16" else 1e-4), name
     tokens_drawn_are_tokens_seen(tmp_path / "sp2")
 
 
 @pytest.mark.slow
-def test_sequence_and_data_parallel_on_four_ranks_equal_one_rank(tmp_path):
-    """SP=2 x DP=2: two groups read different sequences, each split in two; in-loop eval too."""
-    common = [*SP_RUN, "train.precision=fp32", "train.global_batch_size=4"]
-    run_train([*common, f"train.run_dir={tmp_path / 'one'}"])
-    run_train([*common, f"train.run_dir={tmp_path / 'four'}", "distributed.sequence_parallel=2"], nproc=4,
-              timeout=600)
-    (one, one_eval), (four, four_eval) = _losses_and_eval(tmp_path / "one"), _losses_and_eval(tmp_path / "four")
+def test_sequence_and_data_parallel_on_four_ranks_equal_one_rank(one_rank, tmp_path):
+    """SP=2 x DP=2: two groups read different sequences, each split in two; in-loop eval too (one
+    rank: the shared `one_rank` run)."""
+    run_train([*SP_RUN, "train.precision=fp32", f"train.run_dir={tmp_path / 'four'}",
+               "distributed.sequence_parallel=2"], nproc=4, timeout=600)
+    (one, one_eval), (four, four_eval) = _losses_and_eval(one_rank), _losses_and_eval(tmp_path / "four")
+    assert one.keys() == four.keys() == {1, 2, 3}
     for step in one:
         assert four[step] == pytest.approx(one[step], rel=1e-6), (step, one, four)
     assert four_eval == pytest.approx(one_eval, rel=1e-6)
 
 
 @pytest.mark.slow
-def test_a_run_resumes_across_sequence_and_data_parallel_sizes(tmp_path):
-    """Saved at (DP 1, SP 2), resumed at (DP 1, SP 1); saved at (DP 1, SP 1), resumed at (DP 2, SP 2):
-    the losses of an uninterrupted run, the data position exact."""
-    common = [*SP_RUN, "train.precision=fp32", "train.max_steps=4", "train.eval_every=0", "checkpoint.every=2",
-              "train.global_batch_size=2"]
-    straight = tmp_path / "straight"
-    run_train([*common, f"train.run_dir={straight}"])
-    want = losses(straight)
-    for first, then in [((2, 2), (1, 1)), ((1, 1), (4, 2))]:
-        run = tmp_path / f"from{first[0]}x{first[1]}to{then[0]}x{then[1]}"
-        run_train([*common, "train.max_steps=2", f"train.run_dir={run}", f"distributed.sequence_parallel={first[1]}"],
-                  nproc=first[0])
-        meta = json.loads((run / "checkpoints" / "step_00000002" / "meta.json").read_text())
-        assert (meta["sequence_parallel"], meta["data_parallel"], meta["tensor_parallel"]) == \
-            (first[1], first[0] // first[1], 1)
-        run_train([*common, "checkpoint.resume=auto", f"train.run_dir={run}",
-                   f"distributed.sequence_parallel={then[1]}"], nproc=then[0], timeout=600)
+def test_a_run_resumes_across_sequence_and_data_parallel_sizes(one_rank, tmp_path):
+    """Saved at (DP 1, SP 2), resumed at (DP 1, SP 1); saved at (DP 1, SP 1) (the step-1 checkpoint of
+    the shared `one_rank` run), resumed at (DP 2, SP 2): the losses of the uninterrupted `one_rank`
+    run, the data position exact, two steps after each resume (the second one's loss is of an update
+    with Adam's restored moments)."""
+    want = losses(one_rank)
+    common = [*SP_RUN, "train.precision=fp32", "train.eval_every=0"]
+    first = tmp_path / "from2x2to1x1"
+    run_train([*common, "train.max_steps=1", f"train.run_dir={first}", "distributed.sequence_parallel=2"], nproc=2)
+    second, start = tmp_path / "from1x1to4x2", one_rank / "checkpoints" / "step_00000001"
+    for ckpt, dp_sp in [(first / "checkpoints" / "step_00000001", (1, 2)), (start, (1, 1))]:
+        meta = json.loads((ckpt / "meta.json").read_text())
+        assert (meta["step"], meta["data_parallel"], meta["sequence_parallel"], meta["tensor_parallel"]) == \
+            (1, *dp_sp, 1)
+    run_train([*common, "checkpoint.resume=auto", f"train.run_dir={first}"])
+    run_train([*common, f"checkpoint.resume={start}", f"train.run_dir={second}",
+               "distributed.sequence_parallel=2"], nproc=4, timeout=600)
+    for run, steps in [(first, {1, 2, 3}), (second, {2, 3})]:  # (the second run dir holds only the resumed steps)
         got = losses(run)
-        assert got.keys() == want.keys()
-        for step in want:
-            assert got[step] == pytest.approx(want[step], rel=1e-6), (first, then, step, got, want)
+        assert got.keys() == steps and steps <= want.keys(), (run.name, got, want)
+        for step in steps:
+            assert got[step] == pytest.approx(want[step], rel=1e-6), (run.name, step, got, want)
 
 
 @pytest.mark.slow
@@ -352,7 +375,8 @@ def test_sequence_parallel_with_everything_else_on(tmp_path):
               "train.precision=bf16", "model.parametrization=mup", "model.mup_base_dim=64",
               "model.mup_base_head_dim=32", "schedule.kind=wsd", "schedule.decay_points=[3]",
               "schedule.warmup_steps=1", "train.eval_every=4", "train.eval_batches=1", f"train.eval_tasks=[{tasks}]",
-              "train.loss_chunk_tokens=128", "train.on_nonfinite=skip", "data.num_streams=4"]
+              "train.loss_chunk_tokens=64", "train.on_nonfinite=skip", "data.num_streams=4",
+              "model.n_layers=2", "data.tokenizer=builtin:python-bpe-512"]  # (64: two chunks of a rank's 128 tokens)
     fault = {"PRETRAIN_FAULT": "nan@step=2"}
     run_train([*common, f"train.run_dir={tmp_path / 'one'}"], env=fault)
     run_train([*common, f"train.run_dir={tmp_path / 'two'}", "distributed.sequence_parallel=2", "train.compile=true"],

@@ -94,13 +94,20 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path):
     assert losses(runs[1]) == losses(runs[0]) == losses(runs[2])
 
 
+@pytest.fixture(scope="module")
+def torchrun_group_of_two(tmp_path_factory):
+    """The launchers' reference: the same 3 steps under torchrun."""
+    run = tmp_path_factory.mktemp("torchrun") / "run"
+    run_train(SMALL + ["train.max_steps=3", f"train.run_dir={run}"], nproc=2)
+    return run
+
+
 @pytest.mark.parametrize("launcher", ["accelerate", "deepspeed"])
-def test_launcher_forms_one_group_of_two(tmp_path, launcher):
+def test_launcher_forms_one_group_of_two(tmp_path, launcher, torchrun_group_of_two):
     """accelerate launch on CPU must not start two processes that each think they are rank 0; the
     deepspeed launcher's extra --local_rank argument must be accepted."""
-    acc, tr = tmp_path / launcher, tmp_path / "torchrun"
+    acc, tr = tmp_path / launcher, torchrun_group_of_two
     proc = run_train(SMALL + ["train.max_steps=3", f"train.run_dir={acc}"], nproc=2, launcher=launcher)
-    run_train(SMALL + ["train.max_steps=3", f"train.run_dir={tr}"], nproc=2)
     assert "world size 2" in proc.stdout
     ckpt = acc / "checkpoints" / "step_00000003"
     meta = json.loads((ckpt / "meta.json").read_text())
@@ -195,10 +202,11 @@ def test_zero_stage_0_trains_like_zero_3_with_clipping(tmp_path):
         assert losses(runs[0])[step] == pytest.approx(loss, rel=1e-5), step
 
 
-@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (3, "fp32"), (3, "bf16")])
+@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (3, "fp32")])
 def test_compile_trains_to_the_same_losses(tmp_path, stage, precision):
     """train.compile=true really compiles (DeepSpeed's engine.compile(): torch.compile of the model,
-    ZeRO-3's hooks outside the graphs) and trains to the eager losses within 1e-3."""
+    ZeRO-3's hooks outside the graphs) and trains to the eager losses within 1e-3. (bf16 at ZeRO-3:
+    tests/test_user_path.py, on the user's path.)"""
     runs = {}
     for compiled in (False, True):
         runs[compiled] = tmp_path / f"compile{compiled}"
