@@ -276,6 +276,10 @@ def _requeue_if_slurm(is_main: bool, signum: int) -> None:
     just saved. SIGTERM (scancel, or the end of the time limit) only saves: a cancelled job stays
     cancelled."""
     job = os.environ.get("SLURM_JOB_ID")
+    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        # An array task by its own name: the array's last task has the array's SLURM_JOB_ID, and
+        # `scontrol requeue` of that id requeues every task of the array, killing the running ones.
+        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
     if is_main and job and signum == signal.SIGUSR1 and os.environ.get("PRETRAIN_REQUEUE") == "1":
         result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
         # The requeue itself signals every process of the job, scontrol included: -SIGTERM is success.

@@ -53,8 +53,8 @@ if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
     export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
 fi
 # After the checkpoint for SIGUSR1 (the time-limit warning of --signal=USR1@120, or
-# `scancel --signal=USR1`), rank 0 runs `scontrol requeue $SLURM_JOB_ID`: the job goes back to the
-# queue and the rerun resumes. 0 = save and stop. (SIGTERM - scancel, the limit itself - never requeues.)
+# `scancel --signal=USR1`), rank 0 runs `scontrol requeue $SLURM_JOB_ID` (an array task's
+# ${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}): the job goes back to the queue and the rerun resumes. 0 = save and stop. (SIGTERM - scancel, the limit itself - never requeues.)
 export PRETRAIN_REQUEUE=${PRETRAIN_REQUEUE:-1}
 
 # --- Libraries ---------------------------------------------------------------------------------

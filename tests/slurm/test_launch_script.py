@@ -192,3 +192,23 @@ def test_pretrain_requeue_0_saves_on_usr1_and_stops_without_requeue(slurm_cluste
     assert r.returncode == 75  # the trainer's code (resumable), not torchrun's 1
     assert job.info().get("Restarts", "0") == "0"
     assert max(rec["step"] for rec in read_metrics(tmp_path) if "train/loss" in rec) == step < 100000
+
+
+@pytest.mark.parametrize("array,want", [({}, "12"), ({"SLURM_ARRAY_JOB_ID": "10", "SLURM_ARRAY_TASK_ID": "2"}, "10_2")])
+def test_the_time_limit_signal_requeues_this_job_or_array_task_alone(monkeypatch, array, want):
+    """An array's last task has the array's SLURM_JOB_ID, and `scontrol requeue` of that id requeues
+    every task of the array (a sweep's running tasks were killed): a task is requeued by its own name."""
+    import signal
+
+    from pretrain import train
+
+    calls = []
+    monkeypatch.setattr(train.subprocess, "run", lambda argv, **kw: calls.append(argv) or subprocess.CompletedProcess(argv, 0))
+    for k in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in {"SLURM_JOB_ID": "12", "PRETRAIN_REQUEUE": "1", **array}.items():
+        monkeypatch.setenv(k, v)
+    train._requeue_if_slurm(True, signal.SIGUSR1)
+    train._requeue_if_slurm(True, signal.SIGTERM)  # (a cancel never requeues)
+    train._requeue_if_slurm(False, signal.SIGUSR1)  # (nor any rank but rank 0)
+    assert calls == [["scontrol", "requeue", want]]

@@ -51,6 +51,11 @@ def test_a_sweep_runs_as_a_job_array_and_a_preempted_task_resumes(slurm_cluster,
     saved = re.findall(r"^pretrain: received SIGUSR1: saved step (\d+); exiting with 75", r.output, re.M)
     assert saved == ["3"] * 3, r.output[-6000:]
     assert len(re.findall(r"^resumed from .*step_00000003 at step 3$", r.output, re.M)) == 3, r.output[-6000:]
+    # Each task requeued itself alone, by its array name (the array's id would requeue every task,
+    # killing the running ones, which would then resume a second time).
+    requeued = re.findall(r"pretrain: scontrol requeue (\S+): ok", r.output)
+    assert sorted(requeued) == [f"{job.job_id}_{i}" for i in range(3)], r.output[-6000:]
+    assert len(re.findall(r"^resumed from ", r.output, re.M)) == 3, r.output[-6000:]
     run1 = sweep / "runs" / _run_of(sweep, 1)
     # Task 1's run has every step once: the rerun continued where the preempted run saved.
     steps1 = [x["step"] for x in read_metrics(run1) if "train/loss" in x]
