@@ -37,7 +37,8 @@ def pytest_collection_modifyitems(config, items):
         # order, by count of tests, put one-test modules of minutes last: --no-loadscope-reorder).
         weight: dict[str, float] = {}
         for item in items:
-            weight[_group(item)] = weight.get(_group(item), 0) + (30 if item.get_closest_marker("slow") else 0.3)
+            group = _group(item)
+            weight[group] = weight.get(group, 0) + (30 if item.get_closest_marker("slow") else 0.3)
         items.sort(key=lambda item: -weight[_group(item)])  # (stable: each group's tests in their order)
         for item in items:
             item.add_marker(pytest.mark.xdist_group(_group(item)))

@@ -90,6 +90,15 @@ def pretrain(args: list[str], nproc: int = 1, launcher: str = "torchrun", timeou
     return proc
 
 
+def left_running(args: list[str], out) -> "Forked | subprocess.Popen":
+    """`python -m pretrain ARGS` left running (one process), its stdout and stderr in the open file
+    `out`: forked from the zygote where it can be, as `pretrain` decides, else started fresh."""
+    env = train_env()
+    if _zygote_can_fork(env):
+        return Forked(args, env, REPO, out.fileno(), out.fileno())
+    return subprocess.Popen([sys.executable, "-m", "pretrain", *args], cwd=REPO, env=env, stdout=out, stderr=out)
+
+
 def crashed(proc: subprocess.CompletedProcess) -> bool:
     """A process (or, under torchrun, one of its ranks) ended by a segmentation fault or bus error."""
     return proc.returncode in (-signal.SIGSEGV, -signal.SIGBUS) or any(

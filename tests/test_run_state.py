@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, TINY, losses, pretrain, read_metrics, run_train, train_env
+from helpers import REPO, TINY, left_running, losses, pretrain, read_metrics, run_train, train_env
 
 pytestmark = pytest.mark.slow
 
@@ -72,20 +72,10 @@ def test_a_fresh_run_refuses_a_dir_holding_another_run(tmp_path):
     assert sorted(r["step"] for r in read_metrics(run) if "train/loss" in r) == list(range(1, 5))
 
 
-def _left_running(overrides, out):
-    """`pretrain train` left running, its stdout and stderr in the file `out`: forked from the
-    zygote (tests/zygote.py: no start-up imports) where it can be, else started fresh."""
-    from helpers import Forked, _zygote_can_fork
-
-    env, argv = train_env(), ["train", str(TINY), "logging.progress=false", *overrides]
-    if _zygote_can_fork(env):
-        return Forked(argv, env, REPO, out.fileno(), out.fileno())
-    return subprocess.Popen([sys.executable, "-m", "pretrain", *argv], cwd=REPO, env=env, stdout=out, stderr=out)
-
-
 def test_a_second_run_on_the_same_dir_refuses_naming_the_holder(tmp_path):
     with open(tmp_path.parent / f"{tmp_path.name}.first.log", "w+") as out:
-        first = _left_running(O + [f"train.run_dir={tmp_path}", "train.max_steps=100000"], out)
+        first = left_running(["train", str(TINY), "logging.progress=false", *O, f"train.run_dir={tmp_path}",
+                              "train.max_steps=100000"], out)
         try:
             deadline = time.time() + 120
             while not (tmp_path / "metrics.jsonl").exists():
