@@ -230,6 +230,7 @@ class Config:
         elif o.lr < 0:
             out.append(f"optimizer.lr={o.lr} must be >= 0")
         out += muon_problems(self)
+        out += moe_problems(self)
         if s.min_lr > self.optimizer.lr:
             out.append(f"schedule.min_lr={s.min_lr} is above optimizer.lr={self.optimizer.lr}")
         if not (math.isfinite(self.checkpoint.every_minutes) and self.checkpoint.every_minutes >= 0):
@@ -389,6 +390,25 @@ def muon_problems(cfg: "Config") -> list[str]:
         out.append("optimizer.name=muon with distributed.tensor_parallel > 1: Muon orthogonalises whole matrices and "
                    "each rank holds a slice of them (pretrain/optim/muon.py gathers over data-parallel ranks only); use "
                    "adamw or tensor_parallel=1")
+    return out
+
+
+def moe_problems(cfg: "Config") -> list[str]:
+    """What a Mixture-of-Experts model (model.moe_experts > 0) does not run with yet, each one line."""
+    if not cfg.model.moe_experts:
+        return []
+    d, t, out = cfg.distributed, cfg.train, []
+    why = {
+        "optimizer.name=muon": (cfg.optimizer.name == "muon", "Muon would orthogonalise the stacked (E, H, D) expert "
+                                "tensors as one matrix, not each expert's; use optimizer.name=adamw"),
+        "distributed.tensor_parallel > 1": (d.tensor_parallel > 1, "AutoTP does not split stacked experts; use "
+                                            "tensor_parallel=1"),
+        "train.mlp_chunk_tokens": (t.mlp_chunk_tokens > 0, "the experts' tokens are not tiled; use 0"),
+        "train.precision=fp16": (t.precision == "fp16", "use bf16 (the router runs in fp32 either way)"),
+    }
+    for name, (bad, fix) in why.items():
+        if bad:
+            out.append(f"model.moe_experts={cfg.model.moe_experts} with {name}: {fix}")
     return out
 
 

@@ -217,8 +217,10 @@ def _train(cfg, env, stop: StopSignal):
             (run_dir.path / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2))
         logger = build.loggers(cfg, env, run_dir.path, run_dir.run_id, start.step,
                                {**resolved, "scaling": {**resolved["scaling"], **scaling}, "provenance": provenance})
-        log.info("model: %.2fM parameters (%.2fM non-embedding), %.1f MFLOPs/token | world size %d%s | %s | "
-                 "ZeRO-%d | global batch %d x %d tokens", n_total / 1e6, n_non_emb / 1e6, fpt / 1e6,
+        active = (f", {num_params(model_args, active=True) / 1e6:.2f}M active: {model_args.moe_top_k} of "
+                  f"{model_args.moe_experts} experts" if model_args.moe_experts else "")
+        log.info("model: %.2fM parameters (%.2fM non-embedding%s), %.1f MFLOPs/token | world size %d%s | %s | "
+                 "ZeRO-%d | global batch %d x %d tokens", n_total / 1e6, n_non_emb / 1e6, active, fpt / 1e6,
                  env.world_size, f" (sequence parallel {env.sp} x data parallel {env.dp_size})" if env.sp > 1 else "",
                  precision, cfg.distributed.zero_stage, cfg.global_batch(env.dp_size), cfg.data.seq_len)
         trainer = Trainer(cfg, env, engine, loader, val_batches, Schedule(cfg), ckpt, logger, fpt, precision, stop,

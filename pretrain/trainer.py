@@ -22,6 +22,7 @@ from pretrain.errors import NonFiniteStep
 from pretrain.faults import inject as faults
 from pretrain.faults.spikes import Rollbacks, Spikes
 from pretrain.metrics import MetricLogger, memory_stats, peak_flops
+from pretrain.model.moe import RoutingStats
 from pretrain.optim.optimizer import set_lr
 from pretrain.parallel import distributed, ulysses
 from pretrain.parallel.parallelize import grad_norm, tensor_parallel_dim, trainer_clips
@@ -83,6 +84,8 @@ class Trainer:
         ckpt.pinned = lambda: self.rollbacks.pinned(self.step)
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # torch AdamW inside ZeRO
         inner.step = self._guarded(inner.step, inner)
+        args = engine.module.args  # an MoE model's routing: the bias updates and the moe/ metrics
+        self.routing = RoutingStats(engine.module, args.moe_bias_rate) if args.moe_experts else None
 
     # -- state that survives a restart
     def state_dict(self) -> dict:
@@ -197,7 +200,8 @@ class Trainer:
             t0 = time.perf_counter()
             loss = self.engine(inputs, labels, loss_chunk=self.cfg.train.loss_chunk_tokens, **extra)  # mean over tokens
             loss = self.faults.loss(loss, self.step + 1)
-            losses[i] = loss.detach()
+            # (an MoE model's loss includes its balancing and z losses; train/loss is the cross-entropy)
+            losses[i] = loss.detach() - self.routing.micro_batch() if self.routing else loss.detach()
             if i == self.accum - 1:  # queued on the device; read by _read_stats
                 self._stats = torch.stack([losses.sum(), (~torch.isfinite(losses)).sum().float()])
                 self._mark("collective")
@@ -239,6 +243,8 @@ class Trainer:
             self.skipped_in_a_row = 0
             if len(self._host_stats) == 3:  # (the guard read the norm: the update was applied)
                 self.spikes.accept(self._mean(loss_sum), self._host_stats[2])
+        if self.routing:
+            self.routing.step_done(applied=not (self._spike or self._drop_update or grad_bad))
         return self._mean(loss_sum)
 
     def _stop_if_diverging(self) -> None:
@@ -557,6 +563,8 @@ class Trainer:
         }
         if self.traffic is not None:
             record.update(self.traffic.metrics())
+        if self.routing:
+            record.update(self.routing.metrics())
         if self.peak:
             record["perf/mfu"] = per_device * self.flops_per_token / self.peak
         record.update(self.data_metrics())

@@ -250,8 +250,8 @@ MUTANTS = [
            "tests/model/test_parametrization.py::test_folded_export_gives_our_logits_in_hf",
            "tests/test_mup.py::test_coordinate_check_across_depth"),
     mutant("mup-hidden-init-unscaled", "pretrain/model/model.py",
-           "                block.init_weights(hidden_std, out_std, self.args.ffn_out_init_std)",
-           "                block.init_weights(std, out_std, self.args.ffn_out_init_std)",
+           "                block.init_weights(hidden_std, out_std, self.args.ffn_out_init_std, std)",
+           "                block.init_weights(std, out_std, self.args.ffn_out_init_std, std)",
            "muP's hidden matrices are drawn at the base std at every width",
            "tests/model/test_parametrization.py::test_init_follows_the_parametrization"),
     mutant("mup-parametrization-unchecked", "pretrain/checkpoint/manager.py",
@@ -405,6 +405,24 @@ MUTANTS = [
            '        zero["zero_hpz_partition_size"] = local_size', "        pass",
            "distributed.hpz=true is ignored: every ZeRO-3 gather crosses nodes",
            "tests/test_hpz.py::test_hpz_trains_exactly_as_zero3_with_its_gathers_inside_the_node"),
+    # -- Mixture-of-Experts (#39)
+    mutant("moe-local-counts", "pretrain/parallel/parallelize.py",
+           "        layer.reduce_counts = distributed.all_reduce", "        layer.reduce_counts = None",
+           "each rank's balancing loss counts its own tokens, not the global batch's",
+           "tests/test_moe_training.py::test_two_ranks_train_as_one_with_the_balance_counted_over_the_global_batch"),
+    mutant("moe-aux-dropped", "pretrain/model/model.py",
+           "        return out + torch.stack(aux).sum() if aux else out", "        return out",
+           "model.moe_aux_loss and moe_z_loss are ignored: the router is never balanced",
+           "tests/model/test_moe.py::test_the_training_loss_adds_each_moe_blocks_aux_loss_and_eval_does_not"),
+    mutant("moe-bias-frozen", "pretrain/model/moe.py",
+           "        if applied and self.bias_rate:", "        if False:",
+           "model.moe_bias_rate is ignored: the DeepSeek-V3 bias never moves",
+           "tests/test_moe_training.py::test_moe_trains_on_the_users_path_with_its_metrics"),
+    mutant("moe-bias-weights", "pretrain/model/moe.py",
+           "        weights = scores.gather(1, chosen)", "        weights = (scores + self.expert_bias).gather(1, chosen)",
+           "the bias changes the experts' weights, not only which are chosen",
+           "tests/model/test_moe.py::test_the_sigmoid_router_and_the_bias_only_select"),
+
 ]
 
 

@@ -52,6 +52,20 @@ def load_weights(model: torch.nn.Module, ckpt: Path, env: distributed.Dist, zero
             if env.is_main:
                 param.data.copy_(state[name])
             distributed.broadcast_host(param.data)  # still on the host: DeepSpeed moves it later
+    for name, buffer in persistent_buffers(model):  # (an MoE router's bias; not in a Hugging Face model)
+        found = distributed.broadcast_object(name in state if env.is_main else None)
+        if found:
+            value = state[name].to(buffer.dtype).cpu() if env.is_main else torch.empty_like(buffer, device="cpu")
+            distributed.broadcast_host(value)
+            buffer.copy_(value)
+
+
+def persistent_buffers(model: torch.nn.Module):
+    """(name, buffer) of the buffers a state dict holds (non-persistent ones, the RoPE table, are rebuilt)."""
+    for prefix, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                yield f"{prefix}.{name}" if prefix else name, buffer
 
 
 def _mismatch(model: torch.nn.Module, state, source: Path) -> str | None:

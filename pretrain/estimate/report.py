@@ -210,7 +210,8 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
     # The fastest that fits; of equal step times the first listed, the one with less machinery.
     recommended = min(fitting, key=lambda r: r["step_s"]) if fitting else None
     out = {
-        "params": n_total, "params_non_embedding": n_non_emb, "flops_per_token": fpt,
+        "params": n_total, "params_non_embedding": n_non_emb, "params_active": num_params(args, active=True),
+        "flops_per_token": fpt,
         "tokens_per_step": tokens_per_step, "steps": t.max_steps, "tokens_total": tokens_per_step * t.max_steps,
         "flops_total": fpt * tokens_per_step * t.max_steps, "zero_stage": stage, "seq_len": cfg.data.seq_len,
         "assumptions": vars(a), "sequence_parallel": d.sequence_parallel, "tensor_parallel": d.tensor_parallel,
@@ -336,8 +337,9 @@ def report(e: dict) -> str:
         split = f", each block's matrices split over {e['tensor_parallel']} GPUs"
     hpz = " with hpZ" if e["hpz"] else ""
     run = f"run: {a['gpus']} GPU(s), ZeRO-{e['zero_stage']}{hpz}, {a['precision']}, {e['optimizer']}, "
-    model = (f"model: {e['params'] / 1e6:,.1f}M parameters ({e['params_non_embedding'] / 1e6:,.1f}M non-embedding), "
-             f"{e['flops_per_token'] / 1e9:.3f} GFLOPs per token (forward + backward, PaLM)")
+    active = f", {e['params_active'] / 1e6:,.1f}M active per token" if e["params_active"] != e["params"] else ""
+    model = (f"model: {e['params'] / 1e6:,.1f}M parameters ({e['params_non_embedding'] / 1e6:,.1f}M non-embedding"
+             f"{active}), {e['flops_per_token'] / 1e9:.3f} GFLOPs per token (forward + backward, PaLM)")
     if "refused" in e:  # not on these GPUs as configured: the layouts at the end say what does
         lines = [model, run + f"{e['tokens_per_step']:,} tokens per step{split}: not as configured: "
                  + "; ".join(e["refused"]) + " (the parallel layouts at the end run on these GPUs)", _sp_line(e)]

@@ -47,6 +47,11 @@ def export(checkpoint: str, out_dir: str, dtype: str = "fp32") -> Path:
     torch_dtype, dtype_name = DTYPES[dtype]
     ckpt, _ = open_checkpoint(checkpoint)  # verified against its manifest before anything is read
     args, tokenizer, eot = _checkpoint_parts(ckpt)
+    if args.moe_experts:
+        from pretrain.errors import ConfigError
+
+        raise ConfigError(f"{ckpt} is a Mixture-of-Experts model (model.moe_experts={args.moe_experts}): its export to "
+                          "Hugging Face (Mixtral) is not built yet; `pretrain eval` and `generate` read the checkpoint")
     state, args = fold_multipliers(consolidated_state_dict(ckpt), args)  # muP: into the weights, in fp32
     state = to_hf_state_dict({k: v.to(torch_dtype) for k, v in state.items()}, args)
     if args.tie_embeddings:  # safetensors stores a tensor once; HF re-ties lm_head on load

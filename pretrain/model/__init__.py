@@ -1,4 +1,4 @@
-"""The model: its description (`args`), its code (`model`), sampling (`generate`), HF conversion (`hf`)."""
+"""The model: its description (`args`), its code (`model`, and `moe` for Mixture-of-Experts blocks), sampling (`generate`)."""
 
 from pretrain.model.args import PRESETS, ModelArgs
 from pretrain.model.model import KVCache, Transformer, flops_per_token, num_params

@@ -35,6 +35,17 @@ class ModelArgs:
     mup_base_layers: int = 0  # completep: the depth whose hyperparameters were tuned (m_L = n_layers / this)
     mup_base_head_dim: int = 0  # mup/completep: the base's head_dim (needed when dim != mup_base_dim; 0 = this one)
     mup_base_hidden_dim: int = 0  # mup/completep: the base's SwiGLU hidden size (0 = hidden_dim's rule at mup_base_dim)
+    # Mixture-of-Experts (docs/moe.md): 0 experts is the dense model.
+    moe_experts: int = 0  # routed experts in each MoE block (0 = dense)
+    moe_top_k: int = 2  # experts each token is routed to
+    moe_hidden_dim: int = 0  # each expert's SwiGLU width (0 = hidden_dim; smaller = fine-grained experts)
+    moe_shared_experts: int = 0  # experts every token also goes through (one SwiGLU this many expert widths wide)
+    moe_dense_layers: int = 0  # the first this many blocks keep a dense feed-forward
+    moe_router: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
+    moe_norm_topk: bool = True  # renormalise each token's k weights to sum to 1
+    moe_aux_loss: float = 0.01  # coefficient of the load-balancing loss (Switch/GShard form, per MoE block)
+    moe_z_loss: float = 0.0  # coefficient of the router z-loss (ST-MoE)
+    moe_bias_rate: float = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing: bias update per step (0 = off)
 
     @property
     def kv_heads(self) -> int:
@@ -48,6 +59,19 @@ class ModelArgs:
     def hidden_dim(self) -> int:
         """SwiGLU hidden size: 2/3 * 4 * dim, scaled, rounded up to `multiple_of` (Llama rule)."""
         return self.ffn_hidden_dim or self._llama_hidden(self.dim)
+
+    @property
+    def moe_expert_hidden_dim(self) -> int:
+        """Each expert's SwiGLU width: moe_hidden_dim, else the dense hidden_dim."""
+        return self.moe_hidden_dim or self.hidden_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether block i's feed-forward is a Mixture-of-Experts."""
+        return self.moe_experts > 0 and i >= self.moe_dense_layers
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def _llama_hidden(self, dim: int) -> int:
         hidden = int(2 * 4 * dim / 3)
@@ -162,6 +186,29 @@ class ModelArgs:
             out.append("model.document_positions=true restarts positions per document, which only means something "
                        "with model.document_mask=true: set both")
         out += self._parametrization_problems()
+        out += self._moe_problems()
+        return out
+
+    def _moe_problems(self) -> list[str]:
+        if not self.moe_experts:
+            return []
+        if self.moe_experts < 0:
+            return [f"model.moe_experts={self.moe_experts} must be >= 0 (0 = dense)"]
+        out = []
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            out.append(f"model.moe_top_k={self.moe_top_k} must be between 1 and model.moe_experts={self.moe_experts}")
+        if self.moe_router not in ("softmax", "sigmoid"):
+            out.append(f"model.moe_router={self.moe_router!r} is not one of softmax, sigmoid")
+        if self.moe_hidden_dim < 0 or self.moe_shared_experts < 0:
+            out.append("model.moe_hidden_dim and model.moe_shared_experts must be >= 0")
+        if not 0 <= self.moe_dense_layers < self.n_layers:
+            out.append(f"model.moe_dense_layers={self.moe_dense_layers} must be >= 0 and leave at least one of "
+                       f"model.n_layers={self.n_layers} blocks to the experts")
+        if min(self.moe_aux_loss, self.moe_z_loss, self.moe_bias_rate) < 0:
+            out.append("model.moe_aux_loss, model.moe_z_loss and model.moe_bias_rate must be >= 0")
+        if self.parametrization != "sp":
+            out.append(f"model.parametrization={self.parametrization} with model.moe_experts: muP's rules for experts "
+                       "are not derived here; use model.parametrization=sp")
         return out
 
     def _parametrization_problems(self) -> list[str]:

@@ -25,6 +25,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from torch.utils.checkpoint import checkpoint
 
 from pretrain.model.args import ModelArgs
+from pretrain.model.moe import MoE
 
 Gather = Callable[[list[nn.Parameter]], ContextManager]
 
@@ -248,12 +249,16 @@ class LMHead(nn.Linear):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, index: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        if args.is_moe_layer(index):
+            shared = args.moe_shared_experts * args.moe_expert_hidden_dim
+            self.feed_forward = MoE(args, FeedForward(args.dim, shared) if shared else None)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
         self.residual_scale = args.residual_scale  # completep: 1 / m_L on each branch
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, cache_k: torch.Tensor | None = None,
@@ -267,11 +272,14 @@ class TransformerBlock(nn.Module):
         h = x + self.residual_scale * a
         return h + self.residual_scale * self.feed_forward(self.ffn_norm(h))
 
-    def init_weights(self, std: float, out_std: float, ffn_out_std: float) -> None:
+    def init_weights(self, std: float, out_std: float, ffn_out_std: float, router_std: float) -> None:
         self.attention_norm.init_weights()
         self.attention.init_weights(std, out_std)
         self.ffn_norm.init_weights()
-        self.feed_forward.init_weights(std, ffn_out_std)
+        if isinstance(self.feed_forward, MoE):
+            self.feed_forward.init_weights(std, ffn_out_std, router_std)
+        else:
+            self.feed_forward.init_weights(std, ffn_out_std)
 
 
 class Transformer(nn.Module):
@@ -286,7 +294,7 @@ class Transformer(nn.Module):
             raise ValueError("; ".join(problems))
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = LMHead(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -347,15 +355,25 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)  # (B, T, D)
         # (T, hd/2, 2), or each row's own positions (B, T, hd/2, 2)
         freqs_cis = self.freqs_cis[start_pos:end] if positions is None else self.freqs_cis[positions]
+        aux = []
         for i, layer in enumerate(self.layers):
             if cache is None:
                 h = layer(h, freqs_cis, None, None, 0, mask)
             else:
                 h = layer(h, freqs_cis, cache.k[i], cache.v[i], start_pos)
+            # The MoE blocks' balancing and z losses, in training (after the block: activation
+            # checkpointing reruns its forward in backward, and the counts' all-reduce runs once).
+            if labels is not None and torch.is_grad_enabled() and isinstance(layer.feed_forward, MoE):
+                aux.append(layer.feed_forward.aux_loss())
         h = self.norm(h)
         if self.logit_scale != 1.0:  # applied to the head's input: the same, and D wide instead of V
             h = h * self.logit_scale
-        return self.output(h, labels, loss_chunk, label_count)  # (B, T, V), or the loss
+        out = self.output(h, labels, loss_chunk, label_count)  # (B, T, V), or the loss
+        return out + torch.stack(aux).sum() if aux else out
+
+    def moe_layers(self) -> list[MoE]:
+        """The MoE feed-forwards, in block order (empty for a dense model)."""
+        return [m for m in self.modules() if isinstance(m, MoE)]
 
     @torch.no_grad()
     def init_weights(self, gather: Gather | None = None) -> None:
@@ -377,7 +395,7 @@ class Transformer(nn.Module):
         # Found via modules(), so blocks wrapped for activation checkpointing or compile are reached too.
         for block in [m for m in self.modules() if isinstance(m, TransformerBlock)]:
             with gather(list(block.parameters())):
-                block.init_weights(hidden_std, out_std, self.args.ffn_out_init_std)
+                block.init_weights(hidden_std, out_std, self.args.ffn_out_init_std, std)
         tail = [self.norm.weight] + ([] if self.args.tie_embeddings else [self.output.weight])
         with gather(tail):
             self.norm.init_weights()
@@ -385,18 +403,22 @@ class Transformer(nn.Module):
                 nn.init.normal_(self.output.weight, mean=0.0, std=std)
 
 
-def num_params(args: ModelArgs | Transformer, non_embedding: bool = False) -> int:
+def num_params(args: ModelArgs | Transformer, non_embedding: bool = False, active: bool = False) -> int:
     """Parameter count from the shape alone (works on partitioned models whose tensors are empty).
 
     non_embedding=True gives Kaplan/Chinchilla's N: everything but the token embedding. An untied
-    LM head counts in N; a tied one is the embedding and does not.
+    LM head counts in N; a tied one is the embedding and does not. active=True counts, in MoE
+    blocks, the k experts a token goes through instead of all E (and the router, shared experts).
     """
     a = args.args if isinstance(args, Transformer) else args
     if not a.vocab_size:
         raise ValueError("model.vocab_size=0: parameter counts need the vocabulary size")
     attn = a.dim * a.head_dim * (2 * a.n_heads + 2 * a.kv_heads)  # wq, wo + wk, wv
-    ffn = 3 * a.dim * a.hidden_dim  # w1, w2, w3
-    blocks = a.n_layers * (attn + ffn + 2 * a.dim)  # + two RMSNorm weights
+    dense = 3 * a.dim * a.hidden_dim  # w1, w2, w3
+    experts = a.moe_top_k if active else a.moe_experts
+    moe = a.dim * a.moe_experts + 3 * a.dim * a.moe_expert_hidden_dim * (experts + a.moe_shared_experts)
+    ffn = (a.n_layers - a.moe_layers) * dense + a.moe_layers * moe
+    blocks = a.n_layers * (attn + 2 * a.dim) + ffn  # + two RMSNorm weights
     head = 0 if a.tie_embeddings else a.vocab_size * a.dim
     n = blocks + a.dim + head  # + final norm
     return n if non_embedding else n + a.vocab_size * a.dim
@@ -416,6 +438,6 @@ def flops_per_token(args: ModelArgs | Transformer, seq_len: int) -> int:
 
 def matmul_params(args: ModelArgs | Transformer) -> int:
     """N of the 6N term above, and of scaling-law fits: every parameter but the embedding lookup,
-    the LM head included even when tied."""
+    the LM head included even when tied; in MoE blocks the active ones (k experts of E)."""
     a = args.args if isinstance(args, Transformer) else args
-    return num_params(a, non_embedding=True) + (a.vocab_size * a.dim if a.tie_embeddings else 0)
+    return num_params(a, non_embedding=True, active=True) + (a.vocab_size * a.dim if a.tie_embeddings else 0)

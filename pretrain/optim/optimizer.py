@@ -29,6 +29,7 @@ one tensor, so the rules must live in the groups, not on tensors.
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -45,7 +46,8 @@ def role(name: str, ndim: int) -> str:
         return "norm"
     if name.startswith("output.") or ".output." in name:
         return "head"
-    return "ffn_out" if ".feed_forward.w2." in name else "hidden"
+    # (w2 of a dense block, of an MoE block's stacked experts and of its shared experts)
+    return "ffn_out" if re.search(r"\.feed_forward\.(experts\.|shared\.)?w2(\.|$)", name) else "hidden"
 
 
 def group_settings(args: ModelArgs, cfg: OptimizerConfig) -> dict[str, dict]:

@@ -347,6 +347,8 @@ def build_model(args: ModelArgs, cfg: Config, ds_config: dict, seed: int) -> Tra
         with deepspeed.zero.Init(config_dict_or_path=ds_config, data_parallel_group=distributed.data_parallel_group()):
             model = Transformer(args)
         model.reset_rope_table()  # zero.Init built it in bf16 (its patched constructors)
+        for layer in model.moe_layers():  # and the routers' biases, which a step moves by ~1e-3
+            layer.expert_bias = layer.expert_bias.float()
         model.init_weights(gather=lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0))
     else:
         model = Transformer(args)
@@ -354,6 +356,8 @@ def build_model(args: ModelArgs, cfg: Config, ds_config: dict, seed: int) -> Tra
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     for block in model.layers:
         block.feed_forward.chunk = cfg.train.mlp_chunk_tokens
+    for layer in model.moe_layers():  # the balancing loss counts tokens over every rank's batch (DP x SP)
+        layer.reduce_counts = distributed.all_reduce
     if cfg.distributed.sequence_parallel > 1:
         ulysses.apply(model, distributed.sequence_group(), cfg.distributed.sequence_parallel)
     return model

@@ -1,0 +1,111 @@
+"""Mixture-of-Experts models trained by `pretrain train` (docs/moe.md): on the user's path (2 ranks,
+bf16, ZeRO-3, activation checkpointing, 1024 tokens) with the moe/ metrics, DeepSeek-V3's bias, a
+bitwise resume and `pretrain eval`; 2 ranks against 1 in fp32 (the balancing loss counts over the
+global batch); the combinations not built, refused in one line."""
+
+import json
+
+import pytest
+import torch
+
+from helpers import losses, pretrain, read_metrics, run_train
+
+MOE = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_hidden_dim=64", "model.moe_shared_experts=1",
+       "model.moe_dense_layers=1", "model.moe_z_loss=0.001"]
+PATH = ["model.dim=64", "model.n_layers=3", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=1024",
+        "data.seq_len=1024", "train.micro_batch_size=1", "train.global_batch_size=4", "train.activation_checkpointing=1",
+        "distributed.param_persistence_threshold=0", "logging.log_every=1", "logging.wandb=disabled",
+        "schedule.warmup_steps=2", "train.eval_batches=1", "train.eval_every=0", "checkpoint.every=3",
+        "checkpoint.keep_last=5", "train.max_steps=6", "data.num_streams=2", "data.tokenizer=builtin:python-bpe-512",
+        "train.precision=bf16", "distributed.zero_stage=3", *MOE, "model.moe_bias_rate=0.01"]
+
+
+@pytest.fixture(scope="module")
+def user_path(tmp_path_factory):
+    run = tmp_path_factory.mktemp("moe") / "run"
+    run_train(PATH + [f"train.run_dir={run}"], nproc=2)
+    return run
+
+
+@pytest.mark.slow
+def test_moe_trains_on_the_users_path_with_its_metrics(user_path):
+    """Every logged step has the moe/ metrics (loads per MoE block, losses, entropy, the bias's
+    range); the bias moved; train/loss is the cross-entropy (the aux losses left out) and falls."""
+    records = [r for r in read_metrics(user_path) if "train/loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 7))
+    for r in records:
+        assert r["moe/max_load"] == max(r["moe/max_load/block_1"], r["moe/max_load/block_2"]) >= 1.0
+        assert "moe/max_load/block_0" not in r  # (the dense first block)
+        assert 1.5 < r["moe/balance_loss"] < 4.0  # (k = 2 at perfect balance; E k = 8 with all on k experts)
+        assert 0 < r["moe/router_entropy"] <= torch.log(torch.tensor(4.0)).item() + 1e-6
+        assert r["moe/z_loss"] > 0
+    assert records[-1]["moe/bias_range"] > 0
+    assert records[-1]["train/loss"] < records[0]["train/loss"]
+    assert records[0]["train/loss"] == pytest.approx(torch.log(torch.tensor(512.0)).item(), abs=0.3)  # cross-entropy only
+    state = torch.load(next((user_path / "checkpoints" / "step_00000006").glob("*model_states.pt")),
+                       map_location="cpu", weights_only=False)["module"]
+    bias = state["layers.1.feed_forward.expert_bias"]
+    assert bias.dtype == torch.float32 and bias.abs().max() > 0
+
+
+@pytest.mark.slow
+def test_moe_resumes_bitwise_with_its_bias(user_path, tmp_path):
+    """From step 3's checkpoint (weights, optimizer, the routers' biases): steps 4-6 bitwise."""
+    import shutil
+
+    run = tmp_path / "resumed"
+    shutil.copytree(user_path / "checkpoints" / "step_00000003", run / "checkpoints" / "step_00000003")
+    run_train(PATH + ["checkpoint.resume=auto", f"train.run_dir={run}"], nproc=2)
+    got, want = losses(run), losses(user_path)
+    assert sorted(got) == [4, 5, 6] and all(got[s] == want[s] for s in got), (got, want)
+
+
+@pytest.mark.slow
+def test_pretrain_eval_scores_the_moe_checkpoint(user_path, tmp_path):
+    out = tmp_path / "eval.json"
+    pretrain(["eval", str(user_path), "--batches", "1", "--micro-batch-size", "1", "--json", str(out)])
+    loss = json.loads(out.read_text())["loss"]
+    assert 0 < loss < torch.log(torch.tensor(512.0)).item()
+
+
+@pytest.mark.slow
+def test_two_ranks_train_as_one_with_the_balance_counted_over_the_global_batch(tmp_path):
+    """fp32, ZeRO-3: 2 ranks of 2 sequences repeat 1 rank of 4 (losses within 1e-6): each rank's
+    balancing loss counts the tokens of both (a rank counting its own would follow other gradients).
+    (The counts are those of one forward: gradient accumulation counts each micro-batch apart.)"""
+    common = ["data.seq_len=128", "train.global_batch_size=4", "train.max_steps=4",
+              "logging.log_every=1", "logging.wandb=disabled", "train.eval_every=0", "distributed.zero_stage=3",
+              "train.precision=fp32", "data.num_streams=2", "model.moe_aux_loss=0.5", "model.n_layers=2", *MOE]
+    run_train(common + ["train.micro_batch_size=4", f"train.run_dir={tmp_path / 'one'}"])
+    run_train(common + ["train.micro_batch_size=2", f"train.run_dir={tmp_path / 'two'}"], nproc=2)
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-6), (step, one, two)
+
+
+@pytest.mark.parametrize("change, named", [
+    ("optimizer.name=muon", "with optimizer.name=muon: Muon would orthogonalise the stacked"),
+    ("train.mlp_chunk_tokens=64", "with train.mlp_chunk_tokens"),
+    ("train.precision=fp16", "with train.precision=fp16"),
+    ("model.moe_top_k=9", "model.moe_top_k=9 must be between 1 and model.moe_experts=4"),
+])
+def test_what_moe_does_not_run_with_is_one_line(change, named, tmp_path):
+    proc = run_train([*MOE, change, f"train.run_dir={tmp_path}"], check=False)
+    assert proc.returncode == 2 and named in proc.stderr + proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_compiled_moe_trains_like_eager(tmp_path):
+    """train.compile at ZeRO-3 (each block compiled, the MoE layer's per-expert loop included): eager's
+    losses within 1e-5 in fp32."""
+    common = ["data.seq_len=64", "train.micro_batch_size=2", "train.max_steps=3", "logging.log_every=1",
+              "logging.wandb=disabled", "train.eval_every=0", "distributed.zero_stage=3", "train.precision=fp32",
+              "model.n_layers=2", "data.tokenizer=builtin:python-bpe-512", *MOE]
+    run_train(common + [f"train.run_dir={tmp_path / 'eager'}"])
+    proc = run_train(common + ["train.compile=true", f"train.run_dir={tmp_path / 'compiled'}"])
+    assert "train.compile: the first step (compiling)" in proc.stdout
+    eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    assert sorted(compiled) == [1, 2, 3]
+    for step in eager:
+        assert compiled[step] == pytest.approx(eager[step], rel=1e-5), (step, eager, compiled)
