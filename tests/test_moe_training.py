@@ -70,18 +70,25 @@ def test_pretrain_eval_scores_the_moe_checkpoint(user_path, tmp_path):
 
 @pytest.mark.slow
 def test_two_ranks_train_as_one_with_the_balance_counted_over_the_global_batch(tmp_path):
-    """fp32, ZeRO-3: 2 ranks of 2 sequences repeat 1 rank of 4 (losses within 1e-6): each rank's
-    balancing loss counts the tokens of both (a rank counting its own would follow other gradients).
-    (The counts are those of one forward: gradient accumulation counts each micro-batch apart.)"""
+    """fp32, ZeRO-3: 2 data-parallel ranks of 2 sequences, and 2 sequence-parallel ranks of half of
+    4 sequences each, repeat 1 rank of 4 (losses within 1e-6): each rank's balancing loss counts the
+    tokens of both (a rank counting its own would follow other gradients). (The counts are those of
+    one forward: gradient accumulation counts each micro-batch apart.)"""
     common = ["data.seq_len=128", "train.global_batch_size=4", "train.max_steps=4",
               "logging.log_every=1", "logging.wandb=disabled", "train.eval_every=0", "distributed.zero_stage=3",
               "train.precision=fp32", "data.num_streams=2", "model.moe_aux_loss=0.5", "model.n_layers=2", *MOE]
     run_train(common + ["train.micro_batch_size=4", f"train.run_dir={tmp_path / 'one'}"])
     run_train(common + ["train.micro_batch_size=2", f"train.run_dir={tmp_path / 'two'}"], nproc=2)
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
-    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
-    for step in one:
-        assert two[step] == pytest.approx(one[step], rel=1e-6), (step, one, two)
+    # Sequence parallelism: each rank routes half of every sequence's tokens.
+    run_train(common + ["train.micro_batch_size=4", "distributed.sequence_parallel=2", f"train.run_dir={tmp_path / 'sp'}"],
+              nproc=2)
+    one = losses(tmp_path / "one")
+    assert sorted(one) == [1, 2, 3, 4]
+    for name in ("two", "sp"):
+        got = losses(tmp_path / name)
+        assert sorted(got) == [1, 2, 3, 4]
+        for step in one:
+            assert got[step] == pytest.approx(one[step], rel=1e-6), (name, step, one, got)
 
 
 @pytest.mark.parametrize("change, named", [
