@@ -309,7 +309,8 @@ model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).ev
 tok = AutoTokenizer.from_pretrained(path)
 with torch.no_grad():
     logits = model(torch.tensor([tokens])).logits[0]
-print(json.dumps({"version": transformers.__version__, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+print(json.dumps({"version": transformers.__version__, "rope_theta": cfg.rope_theta,
+                  "rope_scaling": getattr(cfg, "rope_scaling", None), "class": type(model).__name__,
                   "logits": logits.tolist(), "tokenizer": type(tok).__name__, "ids": tok("def f(x):").input_ids}))
 """
 
@@ -360,3 +361,52 @@ def test_an_export_with_llama3_rope_scaling_reads_right_in_transformers_4(tmp_pa
     assert got["rope_scaling"]["factor"] == 4.0 and got["rope_scaling"]["original_max_position_embeddings"] == 32
     torch.testing.assert_close(torch.tensor(got["logits"]), want, rtol=1e-4, atol=1e-4)
     assert got["tokenizer"] == "PreTrainedTokenizerFast" and got["ids"]
+
+
+# A Mixture-of-Experts run Mixtral holds (softmax router, top-k renormalised, every block MoE, no
+# shared expert), trained on 2 ranks at ZeRO-3: exported from its shards.
+MIXTRAL = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_hidden_dim=48", "model.dim=64", "model.n_layers=2",
+           "model.n_heads=4", "model.n_kv_heads=2", "distributed.zero_stage=3", "train.precision=fp32",
+           "train.max_steps=2", "train.eval_every=0", "data.seq_len=64", "train.micro_batch_size=2",
+           "logging.wandb=disabled"]
+
+
+def test_an_moe_exports_to_mixtral_that_transformers_5_and_4_read(tmp_path, python_with_transformers_4):
+    """Each expert under its own name on disk (block_sparse_moe.experts.{e}.w1.weight, 4.x's names,
+    which 5.x merges on loading); MixtralForCausalLM's logits within 1e-5 of ours under both."""
+    from safetensors import safe_open
+    from transformers import MixtralForCausalLM
+
+    from pretrain.hf.export import load_for_inference
+
+    run = tmp_path / "run"
+    run_train(MIXTRAL + [f"train.run_dir={run}"], nproc=2)
+    out = tmp_path / "hf"
+    pretrain_cmd("export", str(run / "checkpoints"), str(out))
+    with safe_open(out / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert {"model.layers.1.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.experts.3.w2.weight"} <= names
+    assert not any("expert_bias" in n or "gate_up_proj" in n for n in names)
+    ours, _, _ = load_for_inference(str(run / "checkpoints"))
+    tokens = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        want = ours(torch.tensor([tokens]))[0]
+        hf = MixtralForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        torch.testing.assert_close(hf(torch.tensor([tokens])).logits[0], want, rtol=1e-5, atol=1e-5)
+    proc = subprocess.run([str(python_with_transformers_4), "-c", READ_WITH_4, str(out), json.dumps(tokens)],
+                          capture_output=True, text=True, env={**train_env(), "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["version"] == TRANSFORMERS_4 and got["class"] == "MixtralForCausalLM"
+    torch.testing.assert_close(torch.tensor(got["logits"]), want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_moe_that_mixtral_cannot_hold_is_refused_in_one_line(tmp_path):
+    run = tmp_path / "run"
+    run_train(MIXTRAL + ["model.moe_shared_experts=1", "model.moe_router=sigmoid", "model.moe_bias_rate=0.01",
+                         "distributed.zero_stage=0", f"train.run_dir={run}"])
+    line = one_error_line(pretrain_cmd("export", str(run / "checkpoints"), str(tmp_path / "hf"), check=False))
+    for named in ("is not a Hugging Face Mixtral", "model.moe_router=sigmoid", "model.moe_shared_experts=1",
+                  "routers' bias"):
+        assert named in line, line
+    assert not (tmp_path / "hf").exists()

@@ -19,7 +19,7 @@ from pretrain.checkpoint.layout import open_checkpoint
 from pretrain.checkpoint.weights import consolidated_state_dict
 from pretrain.config import config_from_dict
 from pretrain.errors import CheckpointError
-from pretrain.hf.mapping import fold_multipliers, rope_scaling, to_hf_config, to_hf_state_dict
+from pretrain.hf.mapping import fold_multipliers, mixtral_problems, rope_scaling, to_hf_config, to_hf_state_dict
 from pretrain.model.model import Transformer
 
 
@@ -47,12 +47,17 @@ def export(checkpoint: str, out_dir: str, dtype: str = "fp32") -> Path:
     torch_dtype, dtype_name = DTYPES[dtype]
     ckpt, _ = open_checkpoint(checkpoint)  # verified against its manifest before anything is read
     args, tokenizer, eot = _checkpoint_parts(ckpt)
-    if args.moe_experts:
+    state = consolidated_state_dict(ckpt)
+    if args.moe_experts:  # Mixtral, if it holds the model: one line naming what it does not hold
         from pretrain.errors import ConfigError
 
-        raise ConfigError(f"{ckpt} is a Mixture-of-Experts model (model.moe_experts={args.moe_experts}): its export to "
-                          "Hugging Face (Mixtral) is not built yet; `pretrain eval` and `generate` read the checkpoint")
-    state, args = fold_multipliers(consolidated_state_dict(ckpt), args)  # muP: into the weights, in fp32
+        biased = [n for n, t in state.items() if n.endswith("expert_bias") and t.any()]
+        problems = mixtral_problems(args) + ([f"its routers' bias (model.moe_bias_rate={args.moe_bias_rate}) selects "
+                                              "experts, which Mixtral's router cannot"] if biased else [])
+        if problems:
+            raise ConfigError(f"{ckpt}: this Mixture-of-Experts model is not a Hugging Face Mixtral: "
+                              + "; ".join(problems) + "; `pretrain eval` and `generate` read the checkpoint")
+    state, args = fold_multipliers(state, args)  # muP: into the weights, in fp32
     state = to_hf_state_dict({k: v.to(torch_dtype) for k, v in state.items()}, args)
     if args.tie_embeddings:  # safetensors stores a tensor once; HF re-ties lm_head on load
         state.pop("lm_head.weight")

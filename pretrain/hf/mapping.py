@@ -35,14 +35,42 @@ _TOP = {
 }
 
 
+def mixtral_problems(args: ModelArgs) -> list[str]:
+    """What keeps an MoE model from being a transformers Mixtral (a softmax router whose k weights
+    are renormalised, every block MoE, no shared expert, plain RoPE); empty when it is one."""
+    out = []
+    if args.moe_router != "softmax" or not args.moe_norm_topk:
+        out.append(f"model.moe_router={args.moe_router} with moe_norm_topk={args.moe_norm_topk} (Mixtral's router is "
+                   "a softmax whose top-k weights are renormalised)")
+    if args.moe_shared_experts:
+        out.append(f"model.moe_shared_experts={args.moe_shared_experts} (Mixtral has no shared expert)")
+    if args.moe_dense_layers:
+        out.append(f"model.moe_dense_layers={args.moe_dense_layers} (every Mixtral block is MoE)")
+    if args.rope_scaling_factor:
+        out.append("model.rope_scaling_factor (Mixtral's RoPE is plain)")
+    return out
+
+
 def to_hf_config(args: ModelArgs):
-    """The `transformers.LlamaConfig` of the same architecture (vocab_size must be set)."""
-    from transformers import LlamaConfig
+    """The `transformers.LlamaConfig` of the same architecture, or `MixtralConfig` for an MoE model
+    that Mixtral holds (vocab_size must be set)."""
+    from transformers import LlamaConfig, MixtralConfig
 
     if not args.vocab_size:
         raise ValueError("model.vocab_size=0: set it before converting to Hugging Face")
     if args.parametrization != "sp":
         raise ValueError(f"model.parametrization={args.parametrization}: fold its multipliers first (fold_multipliers)")
+    if args.moe_experts:
+        problems = mixtral_problems(args)
+        if problems:
+            raise ValueError("not a Mixtral: " + "; ".join(problems))
+        return MixtralConfig(
+            vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.moe_expert_hidden_dim,
+            num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.kv_heads,
+            head_dim=args.head_dim, hidden_act="silu", max_position_embeddings=args.max_seq_len,
+            rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta, tie_word_embeddings=args.tie_embeddings,
+            initializer_range=args.init_std, num_local_experts=args.moe_experts, num_experts_per_tok=args.moe_top_k,
+            router_aux_loss_coef=args.moe_aux_loss, sliding_window=None)
     return LlamaConfig(
         vocab_size=args.vocab_size,
         hidden_size=args.dim,
@@ -181,11 +209,22 @@ def fold_multipliers(sd: dict[str, torch.Tensor], args: ModelArgs) -> tuple[dict
 
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Our state dict -> `LlamaForCausalLM`'s. Tensors are shared, not copied.
+    """Our state dict -> `LlamaForCausalLM`'s (an MoE model's: `MixtralForCausalLM`'s, each expert's
+    matrices under its own name, `block_sparse_moe.experts.{e}.w1.weight`, as transformers 4.x
+    names them and 5.x reads them). Tensors are shared, not copied.
 
     With tied embeddings, `lm_head.weight` is the embedding tensor (HF's state_dict lists both).
     """
-    out = _rename(sd, _TOP, _BLOCK, "layers.", "model.layers.")
+    sd, moe = dict(sd), {}
+    for name in [n for n in sd if re.fullmatch(r"layers\.\d+\.feed_forward\.(router\.weight|experts\.w[123]|expert_bias)", n)]:
+        layer, what = re.fullmatch(r"layers\.(\d+)\.feed_forward\.(.+)", name).groups()
+        tensor, prefix = sd.pop(name), f"model.layers.{layer}.block_sparse_moe."
+        if what == "router.weight":
+            moe[prefix + "gate.weight"] = tensor
+        elif what.startswith("experts."):  # (the bias has no place in Mixtral: export refuses a non-zero one)
+            for e, w in enumerate(tensor.unbind(0)):
+                moe[f"{prefix}experts.{e}.{what.split('.')[1]}.weight"] = w
+    out = {**_rename(sd, _TOP, _BLOCK, "layers.", "model.layers."), **moe}
     if args.tie_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
