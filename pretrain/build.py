@@ -12,7 +12,7 @@ from pretrain.config import Config
 from pretrain.errors import ConfigError
 from pretrain.hf import hub
 from pretrain.metrics import JsonlLogger, Loggers, MetricLogger, WandbLogger
-from pretrain.model.args import MASK_FIELDS, ROPE_FIELDS, ModelArgs
+from pretrain.model.args import MASK_FIELDS, MOE_TRAINING_FIELDS, ROPE_FIELDS, ModelArgs
 from pretrain.parallel import distributed
 
 log = logging.getLogger(__name__)
@@ -42,14 +42,17 @@ def tokenizer_and_model_args(cfg: Config):
 # (ROPE_FIELDS: the RoPE table, no weight) may be set freely: a longer context, a larger rope_theta.
 _ARCH = {"dim": "dim", "n_layers": "n_layers", "n_heads": "n_heads", "kv_heads": "n_kv_heads",
          "hidden_dim": "ffn_hidden_dim", "vocab_size": "vocab_size", "norm_eps": "norm_eps",
-         "tie_embeddings": "tie_embeddings"}
+         "tie_embeddings": "tie_embeddings", "moe_experts": "moe_experts", "moe_top_k": "moe_top_k",
+         "moe_expert_hidden_dim": "moe_hidden_dim", "moe_shared_experts": "moe_shared_experts",
+         "moe_dense_layers": "moe_dense_layers", "moe_router": "moe_router", "moe_norm_topk": "moe_norm_topk"}
 
 
 def hf_model_args(cfg: Config) -> ModelArgs:
     """The model of `checkpoint.init_from`, a Hugging Face model: its config.json defines it. The
     fields the run config's `model:` section sets are applied on top: the RoPE settings and
     max_seq_len replace config.json's (continuing at a longer context), and the document masking
-    fields (MASK_FIELDS), which config.json does not hold, are the run config's; any other change of
+    fields (MASK_FIELDS) and an MoE's balancing (MOE_TRAINING_FIELDS), which config.json does not
+    hold, are the run config's; any other change of
     the architecture is an error, not silently mixed."""
     if cfg.model.parametrization != "sp":
         raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from} is a Hugging Face model, whose "
@@ -70,7 +73,8 @@ def hf_model_args(cfg: Config) -> ModelArgs:
                           + ": remove these from the model section (or make them match)")
     if cfg.model.max_seq_len != default.max_seq_len:
         args.max_seq_len = cfg.model.max_seq_len
-    return dataclasses.replace(args, **{f: getattr(merged, f) for f in ROPE_FIELDS + MASK_FIELDS if f != "max_seq_len"})
+    return dataclasses.replace(args, **{f: getattr(merged, f) for f in ROPE_FIELDS + MASK_FIELDS + MOE_TRAINING_FIELDS
+                                        if f != "max_seq_len"})
 
 
 def data(cfg: Config, tokenizer, env: distributed.Dist):

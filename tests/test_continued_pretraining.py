@@ -131,7 +131,8 @@ def test_continuing_keeps_the_document_masking_the_run_config_sets(tmp_path):
 @pytest.mark.parametrize("change,named", [
     (dict(model_type="qwen2"), "qwen2"),
     (dict(model_type="mistral", sliding_window=32), "sliding"),
-    (dict(model_type="mixtral", num_local_experts=8), "experts"),
+    (dict(model_type="qwen2_moe", num_experts=8), "shared experts with a gate"),
+    (dict(model_type="mixtral", num_local_experts=4, router_jitter_noise=0.1), "router_jitter_noise"),
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 50000.0}), "yarn"),
     (dict(attention_bias=True), "bias"),
 ])
@@ -150,7 +151,7 @@ GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64
         "n_positions": 256, "vocab_size": 4096}
 
 
-NAMED = {"gpt2": "model_type 'gpt2' (not a Llama architecture); Llama and Mistral load",
+NAMED = {"gpt2": "model_type 'gpt2' (not a Llama architecture); Llama, Mistral and Mixtral load",
          "llama3_without_low_freq": "llama3 RoPE scaling without low_freq_factor",
          "truncated_shard": "is not a readable safetensors file (Error while deserializing header"}
 
@@ -410,3 +411,39 @@ def test_an_moe_that_mixtral_cannot_hold_is_refused_in_one_line(tmp_path):
                   "routers' bias"):
         assert named in line, line
     assert not (tmp_path / "hf").exists()
+
+
+def test_continued_pretraining_from_a_mixtral(tmp_path):
+    """A Mixtral (random, saved by transformers, sharded: each expert under its own name) starts a
+    2-rank ZeRO-3 run: our model from it gives Mixtral's logits (1e-5), the run loads every expert
+    (its first loss is a trained model's, not a random one's), and the balancing settings are the run
+    config's."""
+    import yaml
+    from tokenizers import Tokenizer
+
+    from pretrain.hf.export import load_for_inference
+
+    vocab = Tokenizer.from_file(str(BUILTIN_TOKENIZER)).get_vocab_size()
+    cfg = transformers.MixtralConfig(vocab_size=vocab, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                     rms_norm_eps=1e-5, rope_theta=50000.0, num_local_experts=4, num_experts_per_tok=2,
+                                     sliding_window=None)
+    torch.manual_seed(0)
+    src = tmp_path / "mixtral"
+    transformers.MixtralForCausalLM(cfg).float().save_pretrained(src, max_shard_size="100KB")
+    shutil.copy(BUILTIN_TOKENIZER, src / "tokenizer.json")
+    hf = transformers.MixtralForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ours, _, _ = load_for_inference(str(src))
+    assert ours.args.moe_experts == 4 and ours.args.moe_top_k == 2 and ours.args.moe_hidden_dim == 48
+    tokens = torch.randint(0, vocab, (2, 33), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
+    run = tmp_path / "run"
+    proc = run_train(SMALL + [f"checkpoint.init_from={src}", f"data.tokenizer={src}", "train.max_steps=1",
+                              "distributed.zero_stage=3", "train.precision=fp32", "model.moe_aux_loss=0.02",
+                              f"train.run_dir={run}"], config=CONTINUE, nproc=2)
+    assert "2 of 4 experts" in proc.stdout
+    resolved = yaml.safe_load((run / "config.yaml").read_text())["model"]
+    assert resolved["moe_experts"] == 4 and resolved["moe_aux_loss"] == 0.02
+    first = next(r for r in read_metrics(run) if "train/loss" in r)
+    assert first["train/loss"] < math.log(vocab) + 1

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from pretrain.checkpoint.layout import open_checkpoint
-from pretrain.checkpoint.weights import consolidated_state_dict
+from pretrain.checkpoint.weights import consolidated_state_dict, persistent_buffers
 from pretrain.config import config_from_dict
 from pretrain.errors import CheckpointError
 from pretrain.hf.mapping import fold_multipliers, mixtral_problems, rope_scaling, to_hf_config, to_hf_state_dict
@@ -108,5 +108,8 @@ def load_for_inference(path: str, device: str = "cpu", verified: bool = False):
         raise ConfigError(f"{path}: its tokenizer has {tokenizer.get_vocab_size()} tokens, more than the model's "
                           f"vocabulary ({args.vocab_size}): the tokenizer is not this model's")
     model = Transformer(args)
-    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    state = {k: v.float() for k, v in state.items()}
+    for name, buffer in persistent_buffers(model):  # (a Mixtral's routers have no bias: ours stays 0)
+        state.setdefault(name, buffer)
+    model.load_state_dict(state, strict=True)
     return model.to(device).eval(), tokenizer, eot

@@ -107,6 +107,8 @@ class LazyWeights:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         hf = self.names[name]
+        if isinstance(hf, list):  # a Mixtral's experts, one tensor each: our stacked tensor
+            return torch.stack([self._file(self.where[h]).get_tensor(h) for h in hf])
         return self._file(self.where[hf]).get_tensor(hf)
 
     def _file(self, file: str):
@@ -119,6 +121,8 @@ class LazyWeights:
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape, from the file's header (nothing read)."""
         hf = self.names[name]
+        if isinstance(hf, list):
+            return (len(hf), *self._file(self.where[hf[0]]).get_slice(hf[0]).get_shape())
         return tuple(self._file(self.where[hf]).get_slice(hf).get_shape())
 
     def state_dict(self) -> dict[str, torch.Tensor]:

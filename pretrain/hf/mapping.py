@@ -103,8 +103,7 @@ def rope_scaling(args: ModelArgs) -> dict | None:
 
 # model_type -> why it does not load (anything else but llama and mistral: "not a Llama architecture")
 _REFUSED = {"qwen2": "attention biases", "qwen3": "q/k norms", "gemma": "a different norm and MLP",
-            "gemma2": "soft-capping and sliding windows", "mixtral": "a mixture of experts",
-            "qwen2_moe": "a mixture of experts", "phi3": "fused projections", "olmo2": "q/k norms"}
+            "gemma2": "soft-capping and sliding windows", "qwen2_moe": "shared experts with a gate", "phi3": "fused projections", "olmo2": "q/k norms"}
 
 
 def from_hf_config(cfg) -> ModelArgs:
@@ -115,11 +114,11 @@ def from_hf_config(cfg) -> ModelArgs:
 def from_hf_dict(raw: dict) -> ModelArgs:
     """ModelArgs from a `config.json` as a dict, written by transformers 4.x (`rope_theta`,
     `rope_scaling`) or 5.x (`rope_parameters`). Raises ValueError naming every feature this model
-    lacks: only Llama-architecture models (llama; mistral without a sliding window) load."""
+    lacks: only Llama-architecture models (llama; mistral without a sliding window) and Mixtral load."""
     model_type = raw.get("model_type", "llama")
-    if model_type not in ("llama", "mistral"):  # (first: another architecture names its fields otherwise)
+    if model_type not in ("llama", "mistral", "mixtral"):  # (first: another architecture names its fields otherwise)
         raise ValueError(f"not supported: model_type {model_type!r} "
-                         f"({_REFUSED.get(model_type, 'not a Llama architecture')}); Llama and Mistral load")
+                         f"({_REFUSED.get(model_type, 'not a Llama architecture')}); Llama, Mistral and Mixtral load")
     missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
                            "intermediate_size") if k not in raw]
     if missing:
@@ -132,8 +131,10 @@ def from_hf_dict(raw: dict) -> ModelArgs:
     bad = []
     if raw.get("sliding_window") and raw.get("use_sliding_window", True):
         bad.append(f"sliding-window attention (sliding_window={raw['sliding_window']})")
-    if raw.get("num_local_experts") or raw.get("num_experts"):
+    if (raw.get("num_local_experts") or raw.get("num_experts")) and model_type != "mixtral":
         bad.append("a mixture of experts")
+    if model_type == "mixtral" and raw.get("router_jitter_noise"):
+        bad.append(f"router_jitter_noise={raw['router_jitter_noise']} (this router adds no noise)")
     if rope_type not in ("default", "llama3"):
         bad.append(f"RoPE scaling {rope_type!r} (plain RoPE and llama3 load)")
     if head_dim * heads != hidden:
@@ -167,6 +168,8 @@ def from_hf_dict(raw: dict) -> ModelArgs:
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         init_std=raw.get("initializer_range", 0.02),
         **scaling,
+        **({"moe_experts": raw["num_local_experts"], "moe_top_k": raw.get("num_experts_per_tok", 2),
+            "moe_hidden_dim": raw["intermediate_size"]} if model_type == "mixtral" else {}),
     )
 
 
@@ -240,8 +243,21 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
     sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
     if args.tie_embeddings:
         sd.pop("lm_head.weight", None)
-    out = _rename(sd, {v: k for k, v in _TOP.items()}, {v: k for k, v in _BLOCK.items()},
-                  "model.layers.", "layers.")
+    moe, experts = {}, {}  # Mixtral's: each expert's matrices under their own names, stacked here
+    pattern = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.(?:gate\.weight|experts\.(\d+)\.(w[123])\.weight)")
+    for name in [n for n in sd if pattern.fullmatch(n)]:
+        layer, e, w = pattern.fullmatch(name).groups()
+        if e is None:
+            moe[f"layers.{layer}.feed_forward.router.weight"] = sd.pop(name)
+        else:
+            experts.setdefault(f"layers.{layer}.feed_forward.experts.{w}", {})[int(e)] = sd.pop(name)
+    for key, parts in experts.items():
+        if sorted(parts) != list(range(args.moe_experts)):
+            raise ValueError(f"{key}: experts {sorted(parts)} of {args.moe_experts}")
+        ordered = [parts[e] for e in range(args.moe_experts)]
+        moe[key] = torch.stack(ordered) if isinstance(ordered[0], torch.Tensor) else ordered  # (names: LazyWeights)
+    out = {**_rename(sd, {v: k for k, v in _TOP.items()}, {v: k for k, v in _BLOCK.items()},
+                     "model.layers.", "layers."), **moe}
     if args.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out

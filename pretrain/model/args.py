@@ -250,6 +250,10 @@ ROPE_FIELDS = ("max_seq_len", "rope_theta", "rope_scaling_factor", "rope_low_fre
 # tokenizer's, data.eot_token, unless set).
 MASK_FIELDS = ("document_mask", "document_positions", "eot_id")
 
+# An MoE's balancing during training, no weight: a Mixtral's config.json does not hold ours (its
+# router_aux_loss_coef is a training setting too), so continuing one keeps the run config's.
+MOE_TRAINING_FIELDS = ("moe_aux_loss", "moe_z_loss", "moe_bias_rate")
+
 
 def _divisor_hint(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
