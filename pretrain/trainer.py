@@ -460,6 +460,8 @@ class Trainer:
         meta = read_meta(path)
         self.ckpt.restore(Start("resume", self.ckpt.run.run_id, path, meta, meta["step"]))
         self.data_iter = iter(self.loader)
+        if self.routing:  # (the routers' biases came back with the weights)
+            self.routing.reset()
 
     def _branch(self, end: int) -> None:
         """WSD-S: from this step of the stable phase, decay to `end` on a branch, evaluate, then bring

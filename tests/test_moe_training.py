@@ -4,6 +4,7 @@ bitwise resume and `pretrain eval`; 2 ranks against 1 in fp32 (the balancing los
 global batch); the combinations not built, refused in one line."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ PATH = ["model.dim=64", "model.n_layers=3", "model.n_heads=4", "model.n_kv_heads
         "distributed.param_persistence_threshold=0", "logging.log_every=1", "logging.wandb=disabled",
         "schedule.warmup_steps=2", "train.eval_batches=1", "train.eval_every=0", "checkpoint.every=3",
         "checkpoint.keep_last=5", "train.max_steps=6", "data.num_streams=2", "data.tokenizer=builtin:python-bpe-512",
-        "train.precision=bf16", "distributed.zero_stage=3", *MOE, "model.moe_bias_rate=0.01"]
+        "train.precision=bf16", "distributed.zero_stage=3", *MOE, "model.moe_bias_rate=0.01",
+        # WSD-S: a decay branch from step 4 to 5, then back to step 4 (the biases with the weights)
+        "schedule.kind=wsd", "schedule.decay_points=[5]", "schedule.decay_fraction=0.2"]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,9 @@ def user_path(tmp_path_factory):
 @pytest.mark.slow
 def test_moe_trains_on_the_users_path_with_its_metrics(user_path):
     """Every logged step has the moe/ metrics (loads per MoE block, losses, entropy, the bias's
-    range); the bias moved; train/loss is the cross-entropy (the aux losses left out) and falls."""
+    range); the bias moved; train/loss is the cross-entropy (the aux losses left out) and falls; the
+    WSD-S branch ran and the run came back from it."""
+    assert any("branch/train_loss" in r for r in read_metrics(user_path))
     records = [r for r in read_metrics(user_path) if "train/loss" in r]
     assert [r["step"] for r in records] == list(range(1, 7))
     for r in records:
@@ -50,9 +55,8 @@ def test_moe_trains_on_the_users_path_with_its_metrics(user_path):
 
 @pytest.mark.slow
 def test_moe_resumes_bitwise_with_its_bias(user_path, tmp_path):
-    """From step 3's checkpoint (weights, optimizer, the routers' biases): steps 4-6 bitwise."""
-    import shutil
-
+    """From step 3's checkpoint (weights, optimizer, the routers' biases): steps 4-6 bitwise, the
+    decay branch from step 4 included."""
     run = tmp_path / "resumed"
     shutil.copytree(user_path / "checkpoints" / "step_00000003", run / "checkpoints" / "step_00000003")
     run_train(PATH + ["checkpoint.resume=auto", f"train.run_dir={run}"], nproc=2)
@@ -73,21 +77,28 @@ def test_two_ranks_train_as_one_with_the_balance_counted_over_the_global_batch(t
     """fp32, ZeRO-3: 2 data-parallel ranks of 2 sequences, and 2 sequence-parallel ranks of half of
     4 sequences each, repeat 1 rank of 4 (losses within 1e-6): each rank's balancing loss counts the
     tokens of both (a rank counting its own would follow other gradients). (The counts are those of
-    one forward: gradient accumulation counts each micro-batch apart.)"""
+    one forward: gradient accumulation counts each micro-batch apart.) The 2-rank run's checkpoint
+    resumes on 1 rank alike."""
     common = ["data.seq_len=128", "train.global_batch_size=4", "train.max_steps=4",
               "logging.log_every=1", "logging.wandb=disabled", "train.eval_every=0", "distributed.zero_stage=3",
               "train.precision=fp32", "data.num_streams=2", "model.moe_aux_loss=0.5", "model.n_layers=2", *MOE]
     run_train(common + ["train.micro_batch_size=4", f"train.run_dir={tmp_path / 'one'}"])
-    run_train(common + ["train.micro_batch_size=2", f"train.run_dir={tmp_path / 'two'}"], nproc=2)
+    run_train(common + ["train.micro_batch_size=2", "checkpoint.every=2", f"train.run_dir={tmp_path / 'two'}"],
+              nproc=2)
+    # The 2-rank run's step-2 checkpoint resumed on 1 rank (the experts' stacked tensors and the
+    # routers' biases through the conversion to another world size).
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "two" / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
+    run_train(common + ["train.micro_batch_size=4", "checkpoint.resume=auto", f"train.run_dir={resumed}"])
     # Sequence parallelism: each rank routes half of every sequence's tokens.
     run_train(common + ["train.micro_batch_size=4", "distributed.sequence_parallel=2", f"train.run_dir={tmp_path / 'sp'}"],
               nproc=2)
     one = losses(tmp_path / "one")
     assert sorted(one) == [1, 2, 3, 4]
-    for name in ("two", "sp"):
+    for name in ("two", "sp", "resumed"):
         got = losses(tmp_path / name)
-        assert sorted(got) == [1, 2, 3, 4]
-        for step in one:
+        assert sorted(got) == ([3, 4] if name == "resumed" else [1, 2, 3, 4])
+        for step in got:
             assert got[step] == pytest.approx(one[step], rel=1e-6), (name, step, one, got)
 
 

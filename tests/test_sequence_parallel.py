@@ -319,8 +319,13 @@ def test_sequence_parallel_training_equals_one_rank(request, tmp_path, precision
     from pretrain.checkpoint.weights import consolidated_state_dict
 
     a, b = (consolidated_state_dict(run / "checkpoints" / "step_00000003") for run in (one, tmp_path / "sp2"))
+    bound = 2e-2 if precision == "bf16" else 1e-4
+    if "optimizer.name=muon" in extra:  # DeepSpeed's Newton-Schulz in fp16 where the CPU has it (AVX512-FP16): 1.1e-4
+        from deepspeed.runtime.zero.muon.original_muon import ns_compute_dtype
+
+        bound = bound if ns_compute_dtype("gram") == torch.float32 else 1e-3
     for name in a:  # (relative Frobenius norm: Adam magnifies gradients near its eps; bf16 its rounding)
-        assert ((b[name] - a[name]).norm() / a[name].norm()).item() < (2e-2 if precision == "bf16" else 1e-4), name
+        assert ((b[name] - a[name]).norm() / a[name].norm()).item() < bound, name
     tokens_drawn_are_tokens_seen(tmp_path / "sp2")
 
 

@@ -196,6 +196,12 @@ class RoutingStats:
         self.window_counts = self.step_counts if self.window_counts is None else self.window_counts + self.step_counts
         self.step_counts = None
 
+    def reset(self) -> None:
+        """The run went back to a checkpoint (a decay branch's end, a rollback): the steps since are
+        not the run's."""
+        self.step_counts = self.window_counts = self.sums = None
+        self.forwards = 0
+
     def metrics(self) -> dict:
         """The window's moe/ metrics (one host sync), then a new window: the max-over-mean load of
         each block's experts (1 = balanced) and their max, the losses and router entropy averaged
@@ -209,6 +215,5 @@ class RoutingStats:
         if self.bias_rate:
             out["moe/bias_range"] = max((layer.expert_bias.max() - layer.expert_bias.min()).item()
                                         for layer in self.layers)
-        self.window_counts = self.sums = None
-        self.forwards = 0
+        self.reset()
         return out
