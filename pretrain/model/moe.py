@@ -30,9 +30,11 @@ from pretrain.model.args import ModelArgs
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
-    """torch._grouped_mm runs forward and backward here (CUDA, bf16): on CPU its fp32 backward fails
-    ("Invalid strides/sizes", torch 2.13), so CPUs take the loop."""
-    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+    """torch._grouped_mm's kernel is CUDA's, in bf16, on Hopper and later (compute capability 9.0):
+    on CPU its fp32 backward fails ("Invalid strides/sizes", torch 2.13), so CPUs and older GPUs take
+    the loop. (Not run here: no GPU; its forward equals the loop's on CPU, tests/model/test_moe.py.)"""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
 class Router(nn.Linear):
