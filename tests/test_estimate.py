@@ -755,3 +755,21 @@ def test_muon_step_all_to_all_within_a_node_at_the_in_node_bandwidth():
         assert m["step_comm_s"] == pytest.approx(m["step_comm_gib_per_gpu"] * 2**30 / (gbps * 1e9 / 8))
         assert e["optimizer_step_s"] == pytest.approx(m["ns_s"] + m["step_comm_s"])
         assert f"s at {gbps:g} Gbit/s; " in report(e)
+
+
+def test_mixtral_8x7b_config_counts_every_expert_and_prices_the_active_ones():
+    """configs/mixtral_8x7b.yaml: Mixtral 8x7B's published counts (46.7B parameters, 12.9B active
+    with its 32k vocabulary); FLOPs per token and the compute time follow the active ones, memory and
+    ZeRO-3's traffic every expert (each is gathered on every GPU: no expert parallelism yet); the
+    layouts the config refuses (tensor parallelism with stacked experts) are not recommended."""
+    cfg = load_config(REPO / "configs" / "mixtral_8x7b.yaml", ["model.vocab_size=32000"])
+    e = estimate(cfg, cfg.model, Assumptions(gpus=64))
+    assert 46.6e9 < e["params"] < 46.8e9 and 12.8e9 < e["params_active"] < 13.0e9
+    dense = load_config(REPO / "configs" / "7b.yaml", ["model.vocab_size=32000", "model.rope_theta=1000000.0"])
+    d = estimate(dense, dense.model, Assumptions(gpus=64))
+    # the active FFN is two experts of the 7B's width: twice its FFN FLOPs, far from 8 times
+    assert 1.5 < e["flops_per_token"] / d["flops_per_token"] < 2.0
+    assert e["params"] / d["params"] > 6 and e["memory_gib_per_gpu"] > 2.5 * d["memory_gib_per_gpu"]
+    assert all(not r["option"].startswith("TP") for r in e["parallel_options"])
+    assert e["recommended"] in ("ZeRO-3", "ZeRO-3 + hpZ")
+    assert "12,879.9M active per token" in report(e)
