@@ -75,7 +75,7 @@ class MoE(nn.Module):
     def __init__(self, args: ModelArgs, shared: nn.Module | None = None):
         super().__init__()
         E, H, D = args.moe_experts, args.moe_expert_hidden_dim, args.dim
-        self.num_experts, self.top_k, self.hidden = E, args.moe_top_k, H
+        self.num_experts, self.top_k = E, args.moe_top_k
         self.sigmoid, self.norm_topk = args.moe_router == "sigmoid", args.moe_norm_topk
         self.aux_coef, self.z_coef = args.moe_aux_loss, args.moe_z_loss
         self.router = Router(D, E, bias=False)
