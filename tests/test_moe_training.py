@@ -4,6 +4,7 @@ bitwise resume and `pretrain eval`; 2 ranks against 1 in fp32 (the balancing los
 global batch); the combinations not built, refused in one line."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -115,15 +116,20 @@ def test_what_moe_does_not_run_with_is_one_line(change, named, tmp_path):
 
 @pytest.mark.slow
 def test_compiled_moe_trains_like_eager(tmp_path):
-    """train.compile at ZeRO-3 (each block compiled, the MoE layer's per-expert loop included): eager's
-    losses within 1e-5 in fp32."""
-    common = ["data.seq_len=64", "train.micro_batch_size=2", "train.max_steps=3", "logging.log_every=1",
-              "logging.wandb=disabled", "train.eval_every=0", "distributed.zero_stage=3", "train.precision=fp32",
-              "model.n_layers=2", "data.tokenizer=builtin:python-bpe-512", *MOE]
-    run_train(common + [f"train.run_dir={tmp_path / 'eager'}"])
-    proc = run_train(common + ["train.compile=true", f"train.run_dir={tmp_path / 'compiled'}"])
-    assert "train.compile: the first step (compiling)" in proc.stdout
+    """train.compile on the user's path (bf16, ZeRO-3 with each block compiled, activation
+    checkpointing, 2 ranks, 2 micro-batches a step), the MoE layer's router and per-expert loop
+    included: eager's losses within 1e-3. (Before `Router` and `Experts` were modules of their own,
+    dynamo traced the router's weight still partitioned and the run failed.)"""
+    common = ["data.seq_len=256", "model.max_seq_len=256", "train.micro_batch_size=1", "train.global_batch_size=4",
+              "train.max_steps=4", "logging.log_every=1", "logging.wandb=disabled", "train.eval_every=0",
+              "distributed.zero_stage=3", "train.precision=bf16", "train.activation_checkpointing=1",
+              "data.num_streams=2", "model.n_layers=2", "data.tokenizer=builtin:python-bpe-512", *MOE,
+              "model.moe_bias_rate=0.01"]
+    run_train(common + [f"train.run_dir={tmp_path / 'eager'}"], nproc=2)
+    proc = run_train(common + ["train.compile=true", f"train.run_dir={tmp_path / 'compiled'}"], nproc=2)
+    graphs = re.search(r"train.compile: the first step \(compiling\) took .* s: (\d+) graphs compiled", proc.stdout)
+    assert graphs and int(graphs.group(1)) > 0, proc.stdout[-2000:]  # (dynamo's own count: not a no-op)
     eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
-    assert sorted(compiled) == [1, 2, 3]
+    assert sorted(compiled) == [1, 2, 3, 4]
     for step in eager:
-        assert compiled[step] == pytest.approx(eager[step], rel=1e-5), (step, eager, compiled)
+        assert compiled[step] == pytest.approx(eager[step], abs=1e-3), (step, eager, compiled)
