@@ -94,21 +94,21 @@ class MoE(nn.Module):
             self.expert_bias = self.expert_bias.float()
         return self
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (N, D) -> the router's fp32 logits (N, E), the chosen experts (N, k) and their weights
-        (N, k, fp32)."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, D) -> the router's fp32 logits and scores (N, E), the chosen experts (N, k) and their
+        weights (N, k, fp32)."""
         logits = self.router(x)
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
         chosen = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, chosen)
         if self.norm_topk:  # (at k = 1 the weight is 1, as in Mixtral; Switch keeps the probability: false)
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=1e-20)
-        return logits, chosen, weights
+        return logits, scores, chosen, weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, D)
-        logits, chosen, weights = self.route(x)
+        logits, scores, chosen, weights = self.route(x)
         counts = torch.bincount(chosen.flatten(), minlength=self.num_experts)  # (E,) int64
         order = chosen.flatten().argsort(stable=True)  # token copies sorted by expert
         token = order // self.top_k
@@ -116,15 +116,14 @@ class MoE(nn.Module):
         y = torch.zeros_like(x).index_add_(0, token, out)
         if self.shared is not None:
             y = y + self.shared(x)
-        self._keep(logits, counts)
+        self._keep(logits, scores, counts)
         return y.view(shape)
 
-    def _keep(self, logits: torch.Tensor, counts: torch.Tensor) -> None:
+    def _keep(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor) -> None:
         """What the losses need from this forward, in `routed`: the mean router probabilities and
         the z-loss (differentiable), the tokens per expert and the tokens (this rank's)."""
-        probs = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
-        if self.sigmoid:  # (DeepSeek-V3's balancing loss normalises the sigmoid scores per token)
-            probs = probs / probs.sum(dim=-1, keepdim=True)
+        # (DeepSeek-V3's balancing loss normalises the sigmoid scores per token)
+        probs = scores / scores.sum(dim=-1, keepdim=True) if self.sigmoid else scores
         with torch.no_grad():
             entropy = -(probs * probs.clamp(min=1e-20).log()).sum(dim=-1).mean()
         self.routed = {"probs": probs.mean(dim=0), "z": torch.logsumexp(logits, dim=-1).square().mean(),
@@ -141,9 +140,10 @@ class MoE(nn.Module):
             both = self.reduce_counts(torch.cat([counts, tokens[None]]))
             counts, tokens = both[:-1], both[-1]
         balance = self.num_experts * (counts / tokens * r["probs"]).sum()
+        aux = self.aux_coef * balance + self.z_coef * r["z"]
         self.stats = {"counts": counts.detach(), "balance_loss": balance.detach(), "z_loss": r["z"].detach(),
-                      "entropy": r["entropy"]}
-        return self.aux_coef * balance + self.z_coef * r["z"]
+                      "entropy": r["entropy"], "aux": aux.detach()}
+        return aux
 
     @torch.no_grad()
     def update_bias(self, counts: torch.Tensor, rate: float) -> None:
@@ -185,8 +185,7 @@ class RoutingStats:
         self.step_counts = counts if self.step_counts is None else self.step_counts + counts
         self.sums = sums if self.sums is None else self.sums + sums
         self.forwards += 1
-        return sum(layer.aux_coef * s["balance_loss"] + layer.z_coef * s["z_loss"]
-                   for layer, s in zip(self.layers, stats))
+        return sum(s["aux"] for s in stats)
 
     def step_done(self, applied: bool) -> None:
         """The step's update was applied (or dropped: then the bias stays too)."""

@@ -150,10 +150,10 @@ def test_the_sigmoid_router_and_the_bias_only_select():
     args = moe_args(moe_router="sigmoid", moe_experts=4, moe_top_k=1, moe_norm_topk=False, moe_bias_rate=0.1)
     layer = built(args).layers[0].feed_forward
     x = torch.randn(32, args.dim)
-    logits, chosen, weights = layer.route(x)
+    logits, _, chosen, weights = layer.route(x)
     torch.testing.assert_close(weights[:, 0], logits.sigmoid().gather(1, chosen)[:, 0])
     layer.expert_bias[:] = torch.tensor([10.0, 0, 0, 0])
-    _, chosen, biased = layer.route(x)
+    _, _, chosen, biased = layer.route(x)
     assert (chosen == 0).all()
     torch.testing.assert_close(biased[:, 0], logits.sigmoid()[:, 0])
     layer.update_bias(torch.tensor([32, 0, 0, 0]), rate=0.1)
