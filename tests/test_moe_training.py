@@ -133,3 +133,22 @@ def test_compiled_moe_trains_like_eager(tmp_path):
     assert sorted(compiled) == [1, 2, 3, 4]
     for step in eager:
         assert compiled[step] == pytest.approx(eager[step], abs=1e-3), (step, eager, compiled)
+
+
+@pytest.mark.slow
+def test_fine_tuning_from_an_moe_checkpoint_carries_its_routers_biases(user_path, tmp_path):
+    """checkpoint.init_from the 2-rank ZeRO-3 bf16 run's checkpoint, on 1 rank at ZeRO-0 in fp32: the
+    routers' biases come along with the weights (one step then moves each by the rate, 0.01)."""
+    import glob
+
+    run = tmp_path / "tuned"
+    run_train(PATH + ["distributed.zero_stage=0", "train.precision=fp32", "train.max_steps=1", "schedule.decay_points=[]",
+                      f"checkpoint.init_from={user_path / 'checkpoints' / 'step_00000006'}", f"train.run_dir={run}"])
+
+    def bias(ckpt):
+        state = torch.load(glob.glob(str(ckpt / "*model_states.pt"))[0], map_location="cpu", weights_only=False)
+        return state["module"]["layers.1.feed_forward.expert_bias"]
+
+    before, after = bias(user_path / "checkpoints" / "step_00000006"), bias(run / "checkpoints" / "step_00000001")
+    assert before.abs().max() > 0
+    torch.testing.assert_close((after - before).abs(), torch.full_like(before, 0.01), rtol=0, atol=1e-6)
