@@ -138,11 +138,13 @@ def test_compiled_moe_trains_like_eager(tmp_path):
 @pytest.mark.slow
 def test_fine_tuning_from_an_moe_checkpoint_carries_its_routers_biases(user_path, tmp_path):
     """checkpoint.init_from the 2-rank ZeRO-3 bf16 run's checkpoint, on 1 rank at ZeRO-0 in fp32: the
-    routers' biases come along with the weights (one step then moves each by the rate, 0.01)."""
+    routers' biases come along with the weights (one step at another rate, 0.001, then moves each by
+    it; biases left at zero would end at +-0.001, far from the run's multiples of 0.01)."""
     import glob
 
     run = tmp_path / "tuned"
     run_train(PATH + ["distributed.zero_stage=0", "train.precision=fp32", "train.max_steps=1", "schedule.decay_points=[]",
+                      "model.moe_bias_rate=0.001",
                       f"checkpoint.init_from={user_path / 'checkpoints' / 'step_00000006'}", f"train.run_dir={run}"])
 
     def bias(ckpt):
@@ -151,4 +153,4 @@ def test_fine_tuning_from_an_moe_checkpoint_carries_its_routers_biases(user_path
 
     before, after = bias(user_path / "checkpoints" / "step_00000006"), bias(run / "checkpoints" / "step_00000001")
     assert before.abs().max() > 0
-    torch.testing.assert_close((after - before).abs(), torch.full_like(before, 0.01), rtol=0, atol=1e-6)
+    torch.testing.assert_close((after - before).abs(), torch.full_like(before, 0.001), rtol=0, atol=1e-6)
