@@ -108,6 +108,10 @@ def engine(cfg: Config, args: ModelArgs, env: distributed.Dist, precision: str, 
     model = build_model(args, cfg, ds_config, seed=cfg.train.seed)
     if init_weights_from is not None:
         load_weights(model, init_weights_from, env, zero3=cfg.distributed.zero_stage == 3)
+    if env.ep > 1:  # (after the whole experts are initialised or loaded: the same weights as one rank's)
+        from pretrain.parallel.expert_parallel import shard_experts
+
+        shard_experts(model, env, zero3=cfg.distributed.zero_stage == 3)
     engine = build_engine(model, cfg, ds_config, env.device)
     if cfg.train.compile:
         apply_compile(engine, cfg.distributed.zero_stage)

@@ -120,6 +120,7 @@ class DistributedConfig:
     timeout_s: float = 1800.0  # a collective (NCCL, gloo) waiting this long for a peer fails the run
     sequence_parallel: int = 1  # Ulysses: each sequence split over this many ranks (divides the world, n_heads and seq_len; docs/long_context.md)
     tensor_parallel: int = 1  # AutoTP: each block's matrices split over this many consecutive ranks (one node's GPUs), which read the same batch (divides the world, n_heads, n_kv_heads and the FFN width; docs/performance.md)
+    expert_parallel: int = 1  # Mixture-of-Experts: each rank holds model.moe_experts / this many experts, the tokens travel to them by all-to-all among this many consecutive ranks (ZeRO-3; divides the world and moe_experts; docs/moe.md)
     hpz: bool = False  # ZeRO++ hierarchical partitioning (ZeRO-3, more than one node): a second copy of the 16-bit weights sharded within each node, so the forward and backward gathers never leave it (docs/performance.md)
 
 
@@ -317,7 +318,8 @@ class Config:
         valid; their own problems are reported above)."""
         d, t, out = self.distributed, self.train, []
         group = max(d.sequence_parallel, 1) * max(d.tensor_parallel, 1)  # the ranks reading one batch
-        for name, size in (("tensor_parallel", d.tensor_parallel), ("sequence_parallel", d.sequence_parallel)):
+        for name, size in (("tensor_parallel", d.tensor_parallel), ("sequence_parallel", d.sequence_parallel),
+                           ("expert_parallel", d.expert_parallel)):
             if size > 1 and world_size % size:
                 out.append(f"distributed.{name}={size} does not divide the world size {world_size}: "
                            f"use one of {_divisor_hint(world_size)}")
@@ -394,10 +396,30 @@ def muon_problems(cfg: "Config") -> list[str]:
 
 
 def moe_problems(cfg: "Config") -> list[str]:
-    """What a Mixture-of-Experts model (model.moe_experts > 0) does not run with yet, each one line."""
-    if not cfg.model.moe_experts:
-        return []
+    """What a Mixture-of-Experts model (model.moe_experts > 0) does not run with yet, each one line;
+    distributed.expert_parallel's own checks."""
     d, t, out = cfg.distributed, cfg.train, []
+    ep, experts = d.expert_parallel, cfg.model.moe_experts
+    if ep < 1:
+        out.append(f"distributed.expert_parallel={ep} must be >= 1 (1 = off)")
+    elif ep > 1:
+        if not experts:
+            out.append(f"distributed.expert_parallel={ep} needs a Mixture-of-Experts model: set model.moe_experts "
+                       "or expert_parallel=1")
+        elif experts % ep:
+            out.append(f"distributed.expert_parallel={ep} does not divide model.moe_experts={experts}: each rank "
+                       f"holds moe_experts / expert_parallel experts (use one of {_divisor_hint(experts)})")
+        if d.zero_stage != 3:
+            # (DeepSpeed's ZeRO-1/2 reduce a parameter's gradients over its expert group only for its
+            # own MoE layer classes, found by type in the engine; ZeRO-3 reads it from the parameter.)
+            out.append(f"distributed.expert_parallel={ep} with distributed.zero_stage={d.zero_stage}: expert "
+                       "parallelism runs at ZeRO-3 (at stages 0-2 DeepSpeed would average different experts' "
+                       "gradients together); use zero_stage=3 or expert_parallel=1")
+        if d.hpz:
+            out.append(f"distributed.expert_parallel={ep} with distributed.hpz=true: hpZ's secondary partition "
+                       "spans each node's ranks, the experts' partition their expert-data-parallel ranks; use one")
+    if not experts:
+        return out
     why = {
         "optimizer.name=muon": (cfg.optimizer.name == "muon", "Muon would orthogonalise the stacked (E, H, D) expert "
                                 "tensors as one matrix, not each expert's; use optimizer.name=adamw"),

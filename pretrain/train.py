@@ -116,7 +116,7 @@ def run(config_path: str, overrides: list[str], stop: StopSignal) -> int:
             cfg.validate(env.world_size)
             faults.from_env(env.world_size)
             d = cfg.distributed
-            env = distributed.init_layout(env, d.sequence_parallel, d.tensor_parallel, d.hpz)
+            env = distributed.init_layout(env, d.sequence_parallel, d.tensor_parallel, d.hpz, d.expert_parallel)
             summary = _train(cfg, env, stop)
         except StoppedAtStartup as e:  # every rank alike: the start-up checks are collective
             distributed.barrier()

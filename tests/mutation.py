@@ -426,6 +426,18 @@ MUTANTS = [
            "        weights = scores.gather(1, chosen)", "        weights = (scores + self.expert_bias).gather(1, chosen)",
            "the bias changes the experts' weights, not only which are chosen",
            "tests/model/test_moe.py::test_the_sigmoid_router_and_the_bias_only_select"),
+    mutant("ep-not-sharded", "pretrain/build.py",
+           "        shard_experts(model, env, zero3=cfg.distributed.zero_stage == 3)", "        pass",
+           "distributed.expert_parallel is ignored: every rank holds and gathers every expert",
+           "tests/test_moe_training.py::test_expert_parallelism_trains_as_every_rank_holding_every_expert"),
+    mutant("ep-gradient-average", "pretrain/parallel/expert_parallel.py",
+           '                p.ds_zero_placement_family = "autoep_expert"\n', "",
+           "an expert's gradient is averaged over the ranks that hold it, not the world (twice too large at 4 ranks, ep 2)",
+           "tests/test_moe_training.py::test_expert_parallelism_trains_as_every_rank_holding_every_expert"),
+    mutant("universal-buffers", "pretrain/checkpoint/reshard.py",
+           "            buffer.copy_(module[name])", "            pass",
+           "a resume at another layout starts the routers' biases at zero (DeepSpeed's universal load skips buffers)",
+           "tests/test_moe_training.py::test_two_ranks_train_as_one_with_the_balance_counted_over_the_global_batch"),
 
 ]
 

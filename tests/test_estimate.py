@@ -760,8 +760,11 @@ def test_muon_step_all_to_all_within_a_node_at_the_in_node_bandwidth():
 def test_mixtral_8x7b_config_counts_every_expert_and_prices_the_active_ones():
     """configs/mixtral_8x7b.yaml: Mixtral 8x7B's published counts (46.7B parameters, 12.9B active
     with its 32k vocabulary); FLOPs per token and the compute time follow the active ones, memory and
-    ZeRO-3's traffic every expert (each is gathered on every GPU: no expert parallelism yet); the
-    layouts the config refuses (tensor parallelism with stacked experts) are not recommended."""
+    ZeRO-3's traffic every expert (without expert parallelism each is gathered on every GPU); expert
+    parallelism gathers a GPU's share of the experts only (ZeRO traffic falls with its size, the
+    tokens' all-to-all grows towards 1 of k x D per token), and on 64 GPUs the estimate recommends
+    8 (a node's GPUs); the layouts the config refuses (tensor parallelism with stacked experts) are
+    not recommended."""
     cfg = load_config(REPO / "configs" / "mixtral_8x7b.yaml", ["model.vocab_size=32000"])
     e = estimate(cfg, cfg.model, Assumptions(gpus=64))
     assert 46.6e9 < e["params"] < 46.8e9 and 12.8e9 < e["params_active"] < 13.0e9
@@ -771,5 +774,19 @@ def test_mixtral_8x7b_config_counts_every_expert_and_prices_the_active_ones():
     assert 1.5 < e["flops_per_token"] / d["flops_per_token"] < 2.0
     assert e["params"] / d["params"] > 6 and e["memory_gib_per_gpu"] > 2.5 * d["memory_gib_per_gpu"]
     assert all(not r["option"].startswith("TP") for r in e["parallel_options"])
-    assert e["recommended"] in ("ZeRO-3", "ZeRO-3 + hpZ")
-    assert "12,879.9M active per token" in report(e)
+    rows = {r["option"]: r for r in e["parallel_options"]}
+    assert [n for n in rows if n.startswith("EP")] == ["EP 2 + ZeRO-3", "EP 4 + ZeRO-3", "EP 8 + ZeRO-3"]
+    zero = [rows[n]["comm_gib_per_gpu"] for n in ("ZeRO-3", "EP 2 + ZeRO-3", "EP 4 + ZeRO-3", "EP 8 + ZeRO-3")]
+    assert zero == sorted(zero, reverse=True) and zero[-1] < zero[0] / 4
+    assert rows["ZeRO-3"]["expert_all_to_all_s"] == 0
+    a2a = [rows[f"EP {n} + ZeRO-3"]["expert_all_to_all_gib_per_gpu"] for n in (2, 4, 8)]
+    assert a2a == sorted(a2a) and a2a[0] > 0
+    # 16 micro-batches of 4,096 tokens, 32 MoE blocks, recomputed: 3 exchanges of 2 x 7/8 of k = 2 rows of D in bf16
+    assert a2a[2] * 2**30 == pytest.approx(16 * 32 * 3 * 2 * 7 / 8 * 4096 * 2 * 4096 * 2)
+    assert all(rows[f"EP {n} + ZeRO-3"]["memory_gib_per_gpu"] == pytest.approx(rows["ZeRO-3"]["memory_gib_per_gpu"])
+               for n in (2, 4, 8))  # (each GPU still holds 1/64 of every expert's states)
+    assert e["recommended"] == "EP 8 + ZeRO-3"
+    text = report(e)
+    assert "12,879.9M active per token" in text and "recommended: EP 8 + ZeRO-3" in text
+    ep = load_config(REPO / "configs" / "mixtral_8x7b.yaml", ["model.vocab_size=32000", "distributed.expert_parallel=8"])
+    assert "expert parallelism over 8 GPUs" in report(estimate(ep, ep.model, Assumptions(gpus=64)))

@@ -1,7 +1,9 @@
 """Mixture-of-Experts models trained by `pretrain train` (docs/moe.md): on the user's path (2 ranks,
-bf16, ZeRO-3, activation checkpointing, 1024 tokens) with the moe/ metrics, DeepSeek-V3's bias, a
-bitwise resume and `pretrain eval`; 2 ranks against 1 in fp32 (the balancing loss counts over the
-global batch); the combinations not built, refused in one line."""
+bf16, ZeRO-3, activation checkpointing, 1024 tokens, expert parallelism over the 2 ranks) with the
+moe/ metrics, DeepSeek-V3's bias, a bitwise resume and `pretrain eval`; 2 ranks against 1 in fp32
+(the balancing loss counts over the global batch); expert parallelism against every rank holding
+every expert, on 4 ranks in fp32, and its checkpoints at other layouts; the combinations not built,
+refused in one line."""
 
 import json
 import re
@@ -20,6 +22,7 @@ PATH = ["model.dim=64", "model.n_layers=3", "model.n_heads=4", "model.n_kv_heads
         "schedule.warmup_steps=2", "train.eval_batches=1", "train.eval_every=0", "checkpoint.every=3",
         "checkpoint.keep_last=5", "train.max_steps=6", "data.num_streams=2", "data.tokenizer=builtin:python-bpe-512",
         "train.precision=bf16", "distributed.zero_stage=3", *MOE, "model.moe_bias_rate=0.01",
+        "distributed.expert_parallel=2",  # (each rank holds 2 of the 4 experts)
         # WSD-S: a decay branch from step 4 to 5, then back to step 4 (the biases with the weights)
         "schedule.kind=wsd", "schedule.decay_points=[5]", "schedule.decay_fraction=0.2"]
 
@@ -82,12 +85,14 @@ def test_two_ranks_train_as_one_with_the_balance_counted_over_the_global_batch(t
     resumes on 1 rank alike."""
     common = ["data.seq_len=128", "train.global_batch_size=4", "train.max_steps=4",
               "logging.log_every=1", "logging.wandb=disabled", "train.eval_every=0", "distributed.zero_stage=3",
-              "train.precision=fp32", "data.num_streams=2", "model.moe_aux_loss=0.5", "model.n_layers=2", *MOE]
+              "train.precision=fp32", "data.num_streams=2", "model.moe_aux_loss=0.5", "model.n_layers=2", *MOE,
+              "model.moe_bias_rate=0.01"]
     run_train(common + ["train.micro_batch_size=4", f"train.run_dir={tmp_path / 'one'}"])
     run_train(common + ["train.micro_batch_size=2", "checkpoint.every=2", f"train.run_dir={tmp_path / 'two'}"],
               nproc=2)
     # The 2-rank run's step-2 checkpoint resumed on 1 rank (the experts' stacked tensors and the
-    # routers' biases through the conversion to another world size).
+    # routers' biases through the conversion to another world size: DeepSpeed's universal load
+    # leaves buffers as built, and biases at 0 gave losses 3e-6 off).
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "two" / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
     run_train(common + ["train.micro_batch_size=4", "checkpoint.resume=auto", f"train.run_dir={resumed}"])
@@ -103,14 +108,67 @@ def test_two_ranks_train_as_one_with_the_balance_counted_over_the_global_batch(t
             assert got[step] == pytest.approx(one[step], rel=1e-6), (name, step, one, got)
 
 
+EP = ["data.seq_len=64", "train.global_batch_size=8", "train.max_steps=4", "logging.log_every=1",
+      "logging.wandb=disabled", "train.eval_every=0", "distributed.zero_stage=3", "train.precision=fp32",
+      "data.num_streams=4", "model.n_layers=2", "checkpoint.every=2", *MOE, "model.moe_bias_rate=0.01",
+      "model.moe_aux_loss=0.5"]
+
+
+def _metrics(run) -> dict[int, tuple[float, float]]:
+    return {r["step"]: (r["train/loss"], r["train/grad_norm"]) for r in read_metrics(run) if "train/loss" in r}
+
+
+@pytest.mark.slow
+def test_expert_parallelism_trains_as_every_rank_holding_every_expert(tmp_path):
+    """4 ranks, fp32, ZeRO-3: expert_parallel=2 (two experts per rank) and 4 (one), and 2 with
+    sequence parallelism 2, repeat expert_parallel=1 (losses and gradient norms within 1e-6: an
+    expert's gradient averaged over the world from the ranks that hold it). Each rank's checkpoint
+    holds its own experts; the whole model read back equals the reference's; the checkpoint resumes
+    at expert_parallel=4 and on one rank alike, `pretrain eval` scores it and `pretrain generate`
+    continues a prompt from it."""
+    from pretrain.checkpoint.reshard import fp32_weights
+
+    runs = {"ep1": [], "ep2": ["distributed.expert_parallel=2"], "ep4": ["distributed.expert_parallel=4"],
+            "ep2sp2": ["distributed.expert_parallel=2", "distributed.sequence_parallel=2", "train.micro_batch_size=4"]}
+    for name, extra in runs.items():
+        run_train(EP + ["train.micro_batch_size=2", *extra, f"train.run_dir={tmp_path / name}"], nproc=4)
+    ckpt = tmp_path / "ep2" / "checkpoints" / "step_00000002"
+    for where, nproc, extra in (("to_ep4", 4, ["train.micro_batch_size=2", "distributed.expert_parallel=4"]),
+                                ("to_one", 1, ["train.micro_batch_size=8"])):
+        shutil.copytree(ckpt, tmp_path / where / "checkpoints" / ckpt.name)
+        run_train(EP + [*extra, "checkpoint.resume=auto", f"train.run_dir={tmp_path / where}"], nproc=nproc)
+    want = _metrics(tmp_path / "ep1")
+    assert sorted(want) == [1, 2, 3, 4]
+    for name in [*runs, "to_ep4", "to_one"]:
+        got = _metrics(tmp_path / name)
+        assert sorted(got) == ([3, 4] if name.startswith("to_") else [1, 2, 3, 4]), name
+        for step in got:
+            assert got[step] == pytest.approx(want[step], rel=1e-6), (name, step, want, got)
+    shapes = torch.load(ckpt / "zero_pp_rank_1_mp_rank_00_model_states.pt", map_location="cpu",
+                        weights_only=False)["param_shapes"]
+    assert any(group.get("layers.1.feed_forward.experts.w1") == torch.Size([2, 64, 128]) for group in shapes)
+    whole, reference = fp32_weights(ckpt), fp32_weights(tmp_path / "ep1" / "checkpoints" / ckpt.name)
+    assert whole.keys() == reference.keys()
+    for name in whole:
+        torch.testing.assert_close(whole[name], reference[name], rtol=1e-5, atol=1e-6, msg=name)
+    out = tmp_path / "eval.json"
+    pretrain(["eval", str(ckpt), "--batches", "1", "--micro-batch-size", "2", "--json", str(out)])
+    assert 0 < json.loads(out.read_text())["loss"] < 9
+    text = pretrain(["generate", str(ckpt), "--prompt", "def", "--max-new-tokens", "4"]).stdout
+    assert text.strip().startswith("def") and len(text.strip()) > 3, text
+
+
 @pytest.mark.parametrize("change, named", [
+    ("distributed.expert_parallel=3", "distributed.expert_parallel=3 does not divide model.moe_experts=4"),
+    ("distributed.zero_stage=2 distributed.expert_parallel=2", "expert parallelism runs at ZeRO-3"),
+    ("distributed.hpz=true distributed.expert_parallel=2", "with distributed.hpz=true: hpZ's secondary partition"),
     ("optimizer.name=muon", "with optimizer.name=muon: Muon would orthogonalise the stacked"),
     ("train.mlp_chunk_tokens=64", "with train.mlp_chunk_tokens"),
     ("train.precision=fp16", "with train.precision=fp16"),
     ("model.moe_top_k=9", "model.moe_top_k=9 must be between 1 and model.moe_experts=4"),
 ])
 def test_what_moe_does_not_run_with_is_one_line(change, named, tmp_path):
-    proc = run_train([*MOE, change, f"train.run_dir={tmp_path}"], check=False)
+    proc = run_train([*MOE, *change.split(), f"train.run_dir={tmp_path}"], check=False)
     assert proc.returncode == 2 and named in proc.stderr + proc.stdout, proc.stderr[-2000:]
 
 
@@ -137,13 +195,14 @@ def test_compiled_moe_trains_like_eager(tmp_path):
 
 @pytest.mark.slow
 def test_fine_tuning_from_an_moe_checkpoint_carries_its_routers_biases(user_path, tmp_path):
-    """checkpoint.init_from the 2-rank ZeRO-3 bf16 run's checkpoint, on 1 rank at ZeRO-0 in fp32: the
+    """checkpoint.init_from the 2-rank ZeRO-3 bf16 run's checkpoint (each rank holding half the
+    experts), on 1 rank at ZeRO-0 in fp32: the
     routers' biases come along with the weights (one step at another rate, 0.001, then moves each by
     it; biases left at zero would end at +-0.001, far from the run's multiples of 0.01)."""
     import glob
 
     run = tmp_path / "tuned"
-    run_train(PATH + ["distributed.zero_stage=0", "train.precision=fp32", "train.max_steps=1", "schedule.decay_points=[]",
+    run_train(PATH + ["distributed.zero_stage=0", "distributed.expert_parallel=1", "train.precision=fp32", "train.max_steps=1", "schedule.decay_points=[]",
                       "model.moe_bias_rate=0.001",
                       f"checkpoint.init_from={user_path / 'checkpoints' / 'step_00000006'}", f"train.run_dir={run}"])
 

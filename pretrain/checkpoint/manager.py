@@ -53,11 +53,13 @@ class Start:
     step: int = 0
 
     def universal(self, env: distributed.Dist) -> bool:
-        """The optimizer state is partitioned over another layout (world size, or tensor-parallel
-        size): it loads through a universal conversion (pretrain/checkpoint/reshard.py). ZeRO stage 0 in fp32
-        saves it whole per tensor-parallel rank: any data-parallel size loads it directly."""
+        """The optimizer state is partitioned over another layout (world size, tensor-parallel or
+        expert-parallel size): it loads through a universal conversion (pretrain/checkpoint/reshard.py).
+        ZeRO stage 0 in fp32 saves it whole per tensor-parallel rank: any data-parallel size loads it
+        directly."""
         return self.meta is not None and partitioned(self.path) and (
-            self.meta["world_size"] != env.world_size or self.meta.get("tensor_parallel", 1) != env.tp)
+            self.meta["world_size"] != env.world_size or self.meta.get("tensor_parallel", 1) != env.tp
+            or self.meta.get("expert_parallel", 1) != env.ep)
 
     def read_state(self, name: str) -> dict | None:
         f = self.path / f"{name}_state.json"
@@ -347,10 +349,14 @@ class CheckpointManager:
         out = self.root / ".universal" / ckpt.name
         problem, proc = None, None
         done = out / "done"
-        if self.env.is_main and not (done.is_file() and done.read_text() == reshard.VERSION):
+        # (under expert parallelism the experts' files say so, for DeepSpeed's loader to take each
+        # rank's experts from them: a conversion is for one or the other)
+        version = reshard.VERSION + (" experts split" if self.env.ep > 1 else "")
+        if self.env.is_main and not (done.is_file() and done.read_text() == version):
             shutil.rmtree(out, ignore_errors=True)
             out.parent.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "pretrain.checkpoint.reshard", str(ckpt), str(out)]
+            cmd = [sys.executable, "-m", "pretrain.checkpoint.reshard", str(ckpt), str(out)] + ["--split-experts"] * (
+                self.env.ep > 1)
             output = tempfile.TemporaryFile("w+")  # not a pipe: a full one would stall the converter
             proc = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, text=True)
         # A 7B conversion can take longer than a collective timeout: the other ranks do not wait in
@@ -365,12 +371,12 @@ class CheckpointManager:
             output.close()
             if proc.returncode != 0:
                 problem = (f"could not convert {ckpt} for world size {self.env.world_size} (tensor_parallel="
-                           f"{self.env.tp}): {tail}")
+                           f"{self.env.tp}, expert_parallel={self.env.ep}): {tail}")
         problem = distributed.broadcast_object(problem)
         if problem:
             raise collective(CheckpointError(problem))
-        log.info("converted %s to DeepSpeed's universal format for %d rank(s), tensor_parallel=%d (%s)", ckpt.name,
-                 self.env.world_size, self.env.tp, out)
+        log.info("converted %s to DeepSpeed's universal format for %d rank(s), tensor_parallel=%d, expert_parallel=%d (%s)",
+                 ckpt.name, self.env.world_size, self.env.tp, self.env.ep, out)
         return out
 
     # ------------------------------------------------------------------ save
@@ -492,7 +498,7 @@ class CheckpointManager:
                 "model_function": model_shape(self.model_args, FUNCTION_FIELDS),
                 "model_parametrization": self.model_args.parametrization_spec(),
                 "zero_stage": self.zero_stage, "optimizer": self._optimizer_name(), "tensor_parallel": self.env.tp,
-                "sequence_parallel": self.env.sp, "data_parallel": self.env.dp_size,
+                "sequence_parallel": self.env.sp, "expert_parallel": self.env.ep, "data_parallel": self.env.dp_size,
                 "fingerprint": {"tokenizer": self.tokenizer_fingerprint},
                 **self.provenance}
         files["meta.json"] = json.dumps(meta, indent=2)

@@ -39,6 +39,7 @@ import torch
 
 _SHARD = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MP_RANK = re.compile(r"(^|_)mp_rank_(\d+)_")
+_EXPERTS = re.compile(r"\.experts\.w[123]$")  # an MoE layer's stacked experts (pretrain/model/moe.py)
 VERSION = "pretrain-universal 1"  # the `done` marker of a conversion (an older one is made again)
 
 
@@ -94,23 +95,35 @@ def read_shards(ckpt: Path, tp_rank: int = 0, keys: tuple[str, ...] | None = Non
     if "fp32_flat_groups" in first:
         layout = "zero3"
         for g, group in enumerate(shapes):
-            flats = [{"fp32": s["fp32_flat_groups"][g], **s["optimizer_state_dict"]["state"].get(g, {})} for s in shards]
-            offset = 0
-            for name, shape in group.items():
-                numel = math.prod(shape)
-                part = math.ceil(numel / n)
-                entry = out.setdefault(name, {})
-                for key, value in flats[0].items():
-                    if not wanted(key):
-                        continue
-                    if key == "step":
-                        entry["step"] = value
-                    elif torch.is_tensor(value) and value.dim() == 1:
-                        entry[key] = torch.cat([f[key].narrow(0, offset, part) for f in flats])[:numel].view(shape).clone()
-                offset += part
-            if any(f["fp32"].numel() != offset for f in flats):
-                raise ValueError(f"{ckpt}: ZeRO-3 group {g} holds {flats[0]['fp32'].numel()} elements per rank, its "
-                                 f"parameters {offset}: not a layout this reader knows")
+            # The ranks each share of the group is partitioned over: all of them, or under expert
+            # parallelism each expert-parallel rank's experts over its expert-data-parallel ranks
+            # (DeepSpeed's metadata), in the order of the experts they hold (by their first rank).
+            owners = sorted({tuple(s["ds_zero_partition_groups"][g]["partition_ranks"]) if "ds_zero_partition_groups" in s
+                             else tuple(range(n)) for s in shards})
+            parts: dict[str, dict[str, list]] = {}
+            for ranks in owners:
+                flats = [{"fp32": shards[r]["fp32_flat_groups"][g], **shards[r]["optimizer_state_dict"]["state"].get(g, {})}
+                         for r in ranks]
+                offset = 0
+                for name, shape in group.items():
+                    numel = math.prod(shape)
+                    part = math.ceil(numel / len(ranks))
+                    entry = parts.setdefault(name, {})
+                    for key, value in flats[0].items():
+                        if not wanted(key):
+                            continue
+                        if key == "step":
+                            out.setdefault(name, {})["step"] = value
+                        elif torch.is_tensor(value) and value.dim() == 1:
+                            whole = torch.cat([f[key].narrow(0, offset, part) for f in flats])[:numel].view(shape)
+                            entry.setdefault(key, []).append(whole)
+                    offset += part
+                if any(f["fp32"].numel() != offset for f in flats):
+                    raise ValueError(f"{ckpt}: ZeRO-3 group {g} holds {flats[0]['fp32'].numel()} elements per rank, its "
+                                     f"parameters {offset}: not a layout this reader knows")
+            for name, entry in parts.items():  # (the expert-parallel ranks' experts, stacked in order)
+                for key, pieces in entry.items():
+                    out.setdefault(name, {})[key] = torch.cat(pieces).clone()
     else:
         layout = "zero12" if "zero_stage" in first else "bf16"
         for g, group in enumerate(shapes):
@@ -183,10 +196,15 @@ def fp32_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_universal(ckpt: Path, out: Path) -> None:
+def write_universal(ckpt: Path, out: Path, split_experts: bool = False) -> None:
     """DeepSpeed's universal layout of `ckpt` in `out`: zero/NAME/KEY.pt (whole tensors, tensor-
     parallel slices joined), zero/NAME/step.pt, zero/optimizer_state.pt (the optimizer's common
-    state and param groups) and the model states files (DeepSpeed reads its metadata from them)."""
+    state and param groups) and the model states files (DeepSpeed reads its metadata from them).
+    `split_experts`: for a run with expert parallelism, the stacked experts' files are marked as
+    DeepSpeed's loader wants them to cut each expert-parallel rank's experts from them (its
+    is_expert_param; a run without would refuse them)."""
+    from deepspeed.checkpoint.constants import EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS
+
     per_rank = [read_shards(ckpt, t) for t in tensor_parallel_ranks(ckpt)]
     states, info = per_rank[0]
     zero = out / "zero"
@@ -199,7 +217,8 @@ def write_universal(ckpt: Path, out: Path) -> None:
                 torch.save(value, folder / "step.pt")
             else:
                 value = _join(name, [s[name][key] for s, _ in per_rank])
-                torch.save({"param": value, "cat_dim": 0}, folder / f"{key}.pt")
+                marks = {EP_IS_EXPERT_PARAM: True, EP_NUM_EXPERTS: value.shape[0]} if split_experts and _EXPERTS.search(name) else {}
+                torch.save({"param": value, "cat_dim": 0, **marks}, folder / f"{key}.pt")
     shard = info["shard"]
     if info["layout"] == "zero3":  # (its loader reads the first group's step and the param groups)
         common = {k: v for k, v in shard.items() if k != "fp32_flat_groups"}
@@ -215,6 +234,14 @@ def write_universal(ckpt: Path, out: Path) -> None:
             os.link(f, out / f.name)
         except OSError:  # (another file system)
             shutil.copy2(f, out / f.name)
+
+
+def persistent_buffers(model: torch.nn.Module):
+    """(name, buffer) of the buffers a state dict holds (non-persistent ones, the RoPE table, are rebuilt)."""
+    for prefix, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                yield f"{prefix}.{name}" if prefix else name, buffer
 
 
 def load_universal(engine, folder: Path) -> None:
@@ -246,6 +273,10 @@ def load_universal(engine, folder: Path) -> None:
             del opt.load_hp_checkpoint_state  # (back to the class's)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load {folder}")
+    module = _model_states(folder, 0)["module"]
+    for name, buffer in persistent_buffers(engine.module):
+        if name in module:
+            buffer.copy_(module[name])
     for i, is_muon in enumerate(muon_groups):
         if is_muon:
             state = opt.optimizer.state[opt.fp32_partitioned_groups_flat[i]]
@@ -263,11 +294,14 @@ def load_universal(engine, folder: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m pretrain.checkpoint.reshard CKPT OUT: write CKPT's universal form into OUT (made anew)."""
-    ckpt, out = (Path(a) for a in (argv or sys.argv[1:]))
+    """python -m pretrain.checkpoint.reshard CKPT OUT [--split-experts]: write CKPT's universal form
+    into OUT (made anew)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = "--split-experts" in argv
+    ckpt, out = (Path(a) for a in argv if a != "--split-experts")
     shutil.rmtree(out, ignore_errors=True)
-    write_universal(ckpt, out)
-    (out / "done").write_text(VERSION)
+    write_universal(ckpt, out, split_experts=split)
+    (out / "done").write_text(VERSION + (" experts split" if split else ""))
     return 0
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from pretrain.checkpoint import reshard
+from pretrain.checkpoint.reshard import persistent_buffers
 from pretrain.errors import CheckpointError, collective
 from pretrain.parallel import distributed
 
@@ -58,14 +59,6 @@ def load_weights(model: torch.nn.Module, ckpt: Path, env: distributed.Dist, zero
             value = state[name].to(buffer.dtype).cpu() if env.is_main else torch.empty_like(buffer, device="cpu")
             distributed.broadcast_host(value)
             buffer.copy_(value)
-
-
-def persistent_buffers(model: torch.nn.Module):
-    """(name, buffer) of the buffers a state dict holds (non-persistent ones, the RoPE table, are rebuilt)."""
-    for prefix, module in model.named_modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            if name not in module._non_persistent_buffers_set:
-                yield f"{prefix}.{name}" if prefix else name, buffer
 
 
 def _mismatch(model: torch.nn.Module, state, source: Path) -> str | None:

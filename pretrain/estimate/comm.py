@@ -38,6 +38,15 @@ tensor backward needs), each 2 (t-1)/t of the micro-batch's b T D activations in
 in-node bandwidth, between a block's matmuls: added to the step. The head, whole on every rank of
 a group, is computed t times: each GPU's compute is (FLOPs + (t-1) 6 V D per token) x tokens / n.
 
+Expert parallelism (distributed.expert_parallel: e, a Mixture-of-Experts): each expert's weights
+are ZeRO-3-partitioned over the W/e ranks that hold it, so a rank gathers and reduce-scatters only
+its E/e experts, over that group (expert_traffic); without it every rank gathers every expert.
+The tokens travel instead: per MoE block per micro-batch the rows chosen for other ranks' experts
+(k per token) go there and their outputs come back, (e-1)/e of the k x tokens x D activations in p
+bytes each way (expert_exchange_bytes); backward sends their gradients, the same bytes; a
+checkpointed block's recomputation repeats the forward's. Between a block's computations, like
+Ulysses': added to the step.
+
 Ulysses' all-to-alls, per GPU per layer per micro-batch: forward sends (N-1)/N of the rank's
 q, k, v (k and v r times) and of the attention output, T/N tokens each; backward sends their
 gradients, the same bytes; a checkpointed block's recomputation repeats the forward's. They run
@@ -63,6 +72,20 @@ def sequence_exchange_bytes(args: ModelArgs, tokens: int, p: int, sp: int) -> fl
     r = kv_replication(args.kv_heads, sp)
     heads = 2 * args.n_heads + 2 * args.kv_heads * r  # q, output; k, v
     return (sp - 1) / sp * (tokens / sp) * heads * args.head_dim * p
+
+
+def expert_exchange_bytes(args: ModelArgs, tokens: int, p: int, ep: int) -> float:
+    """Bytes each rank sends in one MoE block's forward under expert parallelism over `ep` ranks,
+    for `tokens` tokens of its own: the k rows per token to their experts and the outputs back,
+    (ep-1)/ep of them on other ranks when the routing is balanced (pretrain/parallel/expert_parallel.py)."""
+    if ep <= 1:
+        return 0.0
+    return 2 * (ep - 1) / ep * tokens * args.moe_top_k * args.dim * p
+
+
+def expert_params(args: ModelArgs) -> int:
+    """The routed experts' weights of every MoE block: what expert parallelism shares out."""
+    return args.moe_layers * 3 * args.moe_experts * args.moe_expert_hidden_dim * args.dim
 
 
 # AutoTP's all-reduces per block per micro-batch: forward (wo, w2), backward (the input gradients of
@@ -145,23 +168,30 @@ def comm_bytes(n_params: int, stage: int, world: int, micro_steps: int, p: int, 
     return sum(comm_volume(n_params, stage, world, micro_steps, p, g, gathered, persistent).values())
 
 
-def zero3_trace(args: ModelArgs, tp: int = 1) -> list[tuple[str, int]]:
+def zero3_trace(args: ModelArgs, tp: int = 1, ep: int = 1) -> list[tuple[str, int]]:
     """The modules ZeRO-3 fetches parameters for in one micro-batch, in order, each as (its
     parameter, elements; a rank's 1/tp of the block matrices under tensor parallelism): forward
     (the embedding, each block's norms and matrices in the order they run, the final norm, the
     head), then backward in reverse. A tied head is the embedding's parameter. A checkpointed
     block's recomputation adds no fetch of its own: it gathers what its backward then uses
-    (counted: the same bytes with and without activation checkpointing)."""
+    (counted: the same bytes with and without activation checkpointing). An MoE block's
+    feed-forward is its router, its stacked experts (a rank's E/ep under expert parallelism; named
+    `experts.*`) and its shared experts."""
     D, V = args.dim, args.vocab_size
     wq, wk, wv, wo, w1, w2, w3 = (m * k // tp for m, k in block_matrices(args))
-    used = [("attention_norm", D), ("wq", wq), ("wk", wk), ("wv", wv), ("wo", wo), ("ffn_norm", D),
-            ("w1", w1), ("w3", w3), ("w2", w2)]
-    blocks = [(f"layers.{i}.{name}", n) for i in range(args.n_layers) for name, n in used]
+    attention = [("attention_norm", D), ("wq", wq), ("wk", wk), ("wv", wv), ("wo", wo), ("ffn_norm", D)]
+    dense = [("w1", w1), ("w3", w3), ("w2", w2)]
+    H, E = args.moe_expert_hidden_dim, args.moe_experts
+    shared = args.moe_shared_experts * H * D
+    moe = [("router", E * D), *((f"experts.{w}", E // ep * H * D) for w in ("w1", "w2", "w3")),
+           *((f"shared.{w}", shared) for w in ("w1", "w3", "w2") if shared)]
+    blocks = [(f"layers.{i}.{name}", n) for i in range(args.n_layers)
+              for name, n in attention + (moe if args.is_moe_layer(i) else dense)]
     forward = [("tok_embeddings", V * D), *blocks, ("norm", D), ("tok_embeddings" if args.tie_embeddings else "output", V * D)]
     return forward + forward[::-1]
 
 
-def zero3_gathered(args: ModelArgs, persistence: int, reuse_distance: float = 1e9, tp: int = 1) -> dict:
+def zero3_gathered(args: ModelArgs, persistence: int, reuse_distance: float = 1e9, tp: int = 1, ep: int = 1) -> dict:
     """Parameters ZeRO-3 all-gathers per micro-batch ("gathered") and those it keeps whole
     ("persistent", at most `persistence` elements each: stage3_param_persistence_threshold), by
     DeepSpeed's rule once it has traced a step (partitioned_param_coordinator.py,
@@ -175,14 +205,26 @@ def zero3_gathered(args: ModelArgs, persistence: int, reuse_distance: float = 1e
     marked for a later use, which this rule does not follow (the tiny model at reuse distance 0
     kept the head and the last 2 of its 4 blocks: 25% fewer gather bytes than this bound). The
     first step, which traces, gathers everything in backward again."""
-    trace = zero3_trace(args, tp)
+    trace = zero3_trace(args, tp, ep)
     persistent = sum(n for n in dict(trace).values() if n <= persistence)
-    gathered, live = 0, set()
+    return {"gathered": sum(_gathers(trace, persistence, reuse_distance).values()), "persistent": persistent}
+
+
+def zero3_expert_gathers(args: ModelArgs, persistence: int, reuse_distance: float = 1e9, ep: int = 1) -> int:
+    """The part of zero3_gathered's "gathered" that is a rank's routed experts (E/ep of each MoE
+    block's): under expert parallelism gathered over their own group (expert_traffic)."""
+    gathers = _gathers(zero3_trace(args, 1, ep), persistence, reuse_distance)
+    return sum(n for name, n in gathers.items() if ".experts." in name)
+
+
+def _gathers(trace: list[tuple[str, int]], persistence: int, reuse_distance: float) -> dict[str, int]:
+    """Elements all-gathered per micro-batch, by parameter, by DeepSpeed's release rule (zero3_gathered)."""
+    gathered, live = {}, set()
     for s, (name, n) in enumerate(trace):
         if n <= persistence:
             continue
         if name not in live:
-            gathered += n
+            gathered[name] = gathered.get(name, 0) + n
             live.add(name)
         traversed = 0
         for later, m in trace[s + 1:]:
@@ -194,4 +236,4 @@ def zero3_gathered(args: ModelArgs, persistence: int, reuse_distance: float = 1e
             traversed += m
         else:
             live.discard(name)
-    return {"gathered": gathered, "persistent": persistent}
+    return gathered

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 from pretrain.config import Config, zero_sizes
 from pretrain.errors import ConfigError
-from pretrain.estimate.comm import (TP_ALLREDUCES, allreduced_params, sequence_exchange_bytes, tensor_parallel_bytes,
-                                    zero3_gathered, zero_traffic)
+from pretrain.estimate.comm import (TP_ALLREDUCES, allreduced_params, expert_exchange_bytes, expert_params,
+                                    sequence_exchange_bytes, tensor_parallel_bytes, zero3_expert_gathers, zero3_gathered,
+                                    zero_traffic)
 from pretrain.estimate.memory import (GIB, activation_bytes, allreduce_copy_bytes, checkpointed_blocks, kv_replication,
                                       largest_layer_params, model_state_bytes, tensor_parallel_params)
 from pretrain.estimate.muon import muon_step
@@ -43,11 +44,27 @@ class Assumptions:
     gpus_per_node: int = 8  # GPUs joined by the in-node bandwidth: where TP groups and hpZ's secondary partitions live
 
 
-def _zero3_gathers(cfg: Config, args: ModelArgs, tp: int = 1) -> dict:
-    """zero3_gathered for this config at tensor-parallel size `tp` (comm_bytes's defaults below stage 3)."""
+def _zero3_gathers(cfg: Config, args: ModelArgs, tp: int = 1, ep: int = 1) -> dict:
+    """zero3_gathered for this config at tensor-parallel size `tp` and expert-parallel size `ep`
+    (comm_bytes's defaults below stage 3)."""
     if cfg.distributed.zero_stage != 3:
         return {}
-    return zero3_gathered(args, zero_sizes(cfg)["param_persistence_threshold"], cfg.distributed.max_reuse_distance, tp)
+    return zero3_gathered(args, zero_sizes(cfg)["param_persistence_threshold"], cfg.distributed.max_reuse_distance, tp, ep)
+
+
+def _zero_traffic(cfg: Config, args: ModelArgs, local: int, world: int, k: int, p: int, g: int, node: int,
+                  hpz: bool, tp: int, ep: int) -> tuple[float, float]:
+    """ZeRO's (within a node, across nodes) bytes per GPU per step; under expert parallelism the
+    routed experts' apart: a rank's E/ep of them over the world/ep ranks that hold the same ones
+    (its expert-data-parallel group: every ep-th rank, node/ep of them on a node)."""
+    z = _zero3_gathers(cfg, args, tp, ep)
+    if ep == 1:
+        return zero_traffic(local, cfg.distributed.zero_stage, world, k, p, g, node, hpz, **z)
+    threshold, reuse = zero_sizes(cfg)["param_persistence_threshold"], cfg.distributed.max_reuse_distance
+    experts, gathered = expert_params(args), zero3_expert_gathers(args, threshold, reuse, ep)
+    intra, inter = zero_traffic(local - experts, 3, world, k, p, g, node, hpz, z["gathered"] - gathered, z["persistent"])
+    e_intra, e_inter = zero_traffic(experts // ep, 3, world // ep, k, p, g, max(node // ep, 1), False, gathered)
+    return intra + e_intra, inter + e_inter
 
 
 def comm_hint(cfg: Config, args: ModelArgs, world: int, k: int, p: int, spare_gib: float = float("inf")) -> str:
@@ -106,9 +123,10 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
     bucket = d.reduce_bucket_size or args.dim**2
     flops_s = a.peak_tflops * 1e12 * a.mfu  # FLOP/s assumed, Newton-Schulz's matmuls too
 
-    def at(world: int, sp: int = d.sequence_parallel, tp: int = d.tensor_parallel, hpz: bool = d.hpz) -> dict:
+    def at(world: int, sp: int = d.sequence_parallel, tp: int = d.tensor_parallel, hpz: bool = d.hpz,
+           ep: int = d.expert_parallel) -> dict:
         dp = world // (sp * tp)  # sequence- or tensor-parallel groups: each reads its own micro-batches
-        if world % (sp * tp) or sequences % (t.micro_batch_size * dp):
+        if world % (sp * tp) or world % ep or sequences % (t.micro_batch_size * dp):
             raise ConfigError(f"the global batch of {sequences} sequences does not split over {world} GPUs")
         k = sequences // (t.micro_batch_size * dp)
         hpz = hpz and stage == 3
@@ -135,8 +153,7 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         compute_s = (fpt + head_again) * tokens_per_step / (world * flops_s)
         # ZeRO's groups are the ranks holding one tensor-parallel slice: a node holds
         # gpus_per_node / tp of each.
-        intra, inter = zero_traffic(local, stage, zero_world, k, p, g, max(a.gpus_per_node // tp, 1), hpz,
-                                    **_zero3_gathers(cfg, args, tp))
+        intra, inter = _zero_traffic(cfg, args, local, zero_world, k, p, g, max(a.gpus_per_node // tp, 1), hpz, tp, ep)
         allreduced = allreduced_params(args, bucket) if muon and stage == 3 else 0
         extra_rs = k * (world - 1) / world * allreduced * g  # an all-reduce moves twice a reduce-scatter's bytes
         if world <= a.gpus_per_node:
@@ -156,13 +173,21 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         exchange = sequence_exchange_bytes(args, micro_tokens, p, sp)
         a2a = k * (2 * args.n_layers + recomputed) * exchange
         a2a_s = a2a / (a.sp_gbps * 1e9 / 8)
+        # Expert parallelism: the tokens' rows to their experts and back in every MoE block, the same
+        # in backward and in a checkpointed block's recomputation; within a node where the group
+        # fits in one.
+        moe_recomputed = sum(args.is_moe_layer(i) for i in range(args.n_layers)
+                             if t.activation_checkpointing and i % t.activation_checkpointing == 0)
+        dispatch = expert_exchange_bytes(args, micro_tokens // sp, p, ep)
+        ep_bytes = k * (2 * args.moe_layers + moe_recomputed) * dispatch
+        ep_s = ep_bytes / ((a.sp_gbps if ep <= a.gpus_per_node else a.gbps) * 1e9 / 8)
         # Tensor parallelism: the same, its all-reduces wait for the matmul before them and the next
         # one waits for them; 7 per block and 1 per recomputed block (TP_ALLREDUCES).
         allreduce = tensor_parallel_bytes(args, micro_tokens, p, tp)
         per_block = TP_ALLREDUCES["forward"] + TP_ALLREDUCES["backward"]
         tp_bytes = k * (per_block * args.n_layers + TP_ALLREDUCES["recomputation"] * recomputed) * allreduce
         tp_s = tp_bytes / (a.sp_gbps * 1e9 / 8)
-        step_s = max(compute_s, comm_s) + a2a_s + tp_s + opt_s
+        step_s = max(compute_s, comm_s) + a2a_s + tp_s + opt_s + ep_s
         # The optimizer step's transient comes after backward has freed the activations: the larger counts.
         total_gib = (sum(memory.values()) - min(memory["activations"], memory.get("optimizer_step", 0))) / GIB
         extra = {"muon": {"params": opt["params"], "ns_flops_per_gpu": opt["flops"],
@@ -170,7 +195,9 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
                           "step_comm_gib_per_gpu": opt["comm"] / GIB,
                           "step_comm_s": opt["comm"] / (muon_gbps * 1e9 / 8), "step_comm_gbps": muon_gbps,
                           "allreduced_params": allreduced}} if muon else {}
-        return {"gpus": world, "sequence_parallel": sp, "tensor_parallel": tp, "hpz": hpz, "data_parallel": dp,
+        return {"gpus": world, "sequence_parallel": sp, "tensor_parallel": tp, "expert_parallel": ep, "hpz": hpz,
+                "data_parallel": dp, "expert_all_to_all_mib_per_block": dispatch / 2**20,
+                "expert_all_to_all_gib_per_gpu": ep_bytes / GIB, "expert_all_to_all_s": ep_s,
                 "grad_accum": k, "memory_gib_per_gpu": total_gib,
                 "fits": total_gib <= a.gpu_memory_gib, "memory_parts_gib": {k_: v / GIB for k_, v in memory.items()},
                 "compute_s": compute_s, "comm_gib_per_gpu": comm / GIB, "comm_intra_node_gib_per_gpu": intra / GIB,
@@ -215,6 +242,7 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         "tokens_per_step": tokens_per_step, "steps": t.max_steps, "tokens_total": tokens_per_step * t.max_steps,
         "flops_total": fpt * tokens_per_step * t.max_steps, "zero_stage": stage, "seq_len": cfg.data.seq_len,
         "assumptions": vars(a), "sequence_parallel": d.sequence_parallel, "tensor_parallel": d.tensor_parallel,
+        "expert_parallel": d.expert_parallel,
         "hpz": d.hpz and stage == 3, "optimizer": cfg.optimizer.name, "scaling": scaling, "fit_hint": fit_hint(cfg),
         "kv_replication": kv_replication(args.kv_heads, d.sequence_parallel),
         "activation_checkpointing": t.activation_checkpointing > 0,
@@ -256,23 +284,27 @@ def parallel_options(at, cfg: Config, args: ModelArgs, a: Assumptions) -> tuple[
     reason and no figures."""
     d = cfg.distributed
     stage, hpz_too = d.zero_stage, d.zero_stage == 3 and a.gpus > a.gpus_per_node
-    layouts = [(f"ZeRO-{stage}", 1, False)] + [("ZeRO-3 + hpZ", 1, True)] * hpz_too
+    layouts = [(f"ZeRO-{stage}", 1, False, 1)] + [("ZeRO-3 + hpZ", 1, True, 1)] * hpz_too
     for n in _tp_sizes(args, a.gpus_per_node):
         if a.gpus % n == 0:
-            layouts += [(f"TP {n} + ZeRO-{stage}", n, False)] + [(f"TP {n} + ZeRO-3 + hpZ", n, True)] * hpz_too
+            layouts += [(f"TP {n} + ZeRO-{stage}", n, False, 1)] + [(f"TP {n} + ZeRO-3 + hpZ", n, True, 1)] * hpz_too
+    # A Mixture-of-Experts: expert parallelism over each size that divides the experts and the GPUs
+    layouts += [(f"EP {n} + ZeRO-3", 1, False, n) for n in range(2, args.moe_experts + 1)
+                if args.moe_experts % n == 0 and a.gpus % n == 0]
     rows, not_listed = [], {}
-    for name, tp, hpz in layouts:
-        layout = _with_layout(cfg, tensor_parallel=tp, hpz=hpz)
+    for name, tp, hpz, ep in layouts:
+        layout = _with_layout(cfg, tensor_parallel=tp, hpz=hpz, expert_parallel=ep)
         if layout.problems():
             not_listed[name] = layout.problems()[0]
             continue
-        overrides = {f"distributed.{k}": v for k, v in (("tensor_parallel", tp), ("hpz", hpz)) if getattr(d, k) != v}
+        overrides = {f"distributed.{k}": v for k, v in (("tensor_parallel", tp), ("hpz", hpz), ("expert_parallel", ep))
+                     if getattr(d, k) != v}
         row = {"option": name, "overrides": overrides}
         problems = layout.problems(a.gpus)
         if problems:
             row["error"] = problems[0]
         else:
-            row.update(at(a.gpus, d.sequence_parallel, tp, hpz))
+            row.update(at(a.gpus, d.sequence_parallel, tp, hpz, ep))
         rows.append(row)
     return rows, not_listed
 
@@ -317,7 +349,7 @@ def _a2a_line(e: dict) -> str:
 
 
 def _muon_line(e: dict) -> str:
-    m, a = e["muon"], e["assumptions"]
+    m = e["muon"]
     return (f"Muon step (once per step, after backward, not overlapped): Newton-Schulz "
             f"{m['ns_flops_per_gpu'] / 1e12:.3g} TFLOPs on the busiest GPU "
             f"({m['ns_flops_total'] / 1e12:.3g} over all), {m['ns_s']:.3g} s; {m['step_comm_gib_per_gpu']:.3g} GiB "
@@ -361,6 +393,7 @@ def report(e: dict) -> str:
         *([e["comm_hint"]] if e["comm_hint"] else []),
         *([_a2a_line(e)] if sp > 1 else []),
         *([_tp_line(e)] if e["tensor_parallel"] > 1 else []),
+        *([_ep_line(e)] if e["expert_parallel"] > 1 else []),
         *([_muon_line(e)] if muon else []),
     ]
     return "\n".join(lines + _tables(e))
@@ -420,6 +453,16 @@ def _tp_line(e: dict) -> str:
             f"{a['sp_gbps']:g} Gbit/s (not overlapped: in the step time)")
 
 
+def _ep_line(e: dict) -> str:
+    a, ep = e["assumptions"], e["expert_parallel"]
+    where = f"{a['sp_gbps']:g} Gbit/s (within a node)" if ep <= a["gpus_per_node"] else f"{a['gbps']:g} Gbit/s"
+    recompute = ", again in the recomputation" if e["activation_checkpointing"] else ""
+    return (f"expert parallelism over {ep} GPUs: each holds 1/{ep} of the experts and gathers only those; the tokens' "
+            f"rows to their experts and back, {e['expert_all_to_all_mib_per_block']:.3g} MiB per GPU per MoE block per "
+            f"micro-batch in forward, the same in backward{recompute}; {e['expert_all_to_all_gib_per_gpu']:.3g} GiB per "
+            f"GPU per step, {e['expert_all_to_all_s']:.3g} s at {where} (not overlapped: in the step time)")
+
+
 def _options_lines(e: dict) -> list[str]:
     a, sp = e["assumptions"], e["sequence_parallel"]
     lines = [
@@ -430,8 +473,8 @@ def _options_lines(e: dict) -> list[str]:
         f"(-: its own layout); TP's all-reduces and hpZ's gathers within a node at {a['sp_gbps']:g} Gbit/s, "
         f"the rest across nodes at {a['gbps']:g} Gbit/s:",
         "",
-        "| layout | overrides | memory/GPU GiB | compute s | ZeRO comm s (in node + across, GiB) | TP all-reduce s "
-        "| step s | efficiency |",
+        "| layout | overrides | memory/GPU GiB | compute s | ZeRO comm s (in node + across, GiB) | TP all-reduce "
+        "/ EP all-to-all s | step s | efficiency |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in e["parallel_options"]:
@@ -441,7 +484,8 @@ def _options_lines(e: dict) -> list[str]:
             continue
         lines.append(f"| {r['option']} | {overrides} | {_memory_cell(r, a)} | {r['compute_s']:.3g} | "
                      f"{r['comm_s']:.3g} ({r['comm_intra_node_gib_per_gpu']:.3g} + "
-                     f"{r['comm_inter_node_gib_per_gpu']:.3g}) | {r['tp_allreduce_s']:.3g} | {r['step_s']:.3g} | "
+                     f"{r['comm_inter_node_gib_per_gpu']:.3g}) | {r['tp_allreduce_s'] + r['expert_all_to_all_s']:.3g} | "
+                     f"{r['step_s']:.3g} | "
                      f"{r['efficiency']:.0%} |")
     rec = next((r for r in e["parallel_options"] if r["option"] == e["recommended"]), None)
     if rec is None:

@@ -16,7 +16,8 @@ import torch
 import yaml
 
 from pretrain.checkpoint.layout import open_checkpoint
-from pretrain.checkpoint.weights import consolidated_state_dict, persistent_buffers
+from pretrain.checkpoint.reshard import persistent_buffers
+from pretrain.checkpoint.weights import consolidated_state_dict
 from pretrain.config import config_from_dict
 from pretrain.errors import CheckpointError
 from pretrain.hf.mapping import fold_multipliers, mixtral_problems, rope_scaling, to_hf_config, to_hf_state_dict

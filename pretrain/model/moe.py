@@ -66,7 +66,10 @@ class Experts(nn.Module):
         for e, part in enumerate(x.split(counts.tolist())):
             if part.numel():
                 out.append(F.linear(F.silu(F.linear(part, self.w1[e])) * F.linear(part, self.w3[e]), self.w2[e]))
-        return torch.cat(out) if out else x.new_zeros(0, x.size(1))
+        if not out:  # (no rows here, under expert parallelism: the weights still get a (zero) gradient,
+            # so that every rank's ZeRO-3 reduces them alike)
+            return x.new_zeros(0, x.size(1)) + 0 * sum(w.sum() for w in (self.w1, self.w2, self.w3)).to(x.dtype)
+        return torch.cat(out)
 
 
 class MoE(nn.Module):
@@ -84,6 +87,10 @@ class MoE(nn.Module):
         # Selection only (model.moe_bias_rate); fp32, in checkpoints (a resume selects as before).
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
         self.reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by the parallel wing
+        # Under expert parallelism (set by the parallel wing): `experts` holds this rank's share of
+        # the experts, and exchange(rows sorted by expert, rows per expert (E,), experts) runs them
+        # wherever they live and returns the rows' outputs in the same order.
+        self.exchange: Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor] | None = None
         self.routed: dict[str, torch.Tensor] = {}  # the last forward's routing (see _keep)
         self.stats: dict[str, torch.Tensor] = {}  # the last aux_loss's counts and losses (detached)
 
@@ -112,7 +119,9 @@ class MoE(nn.Module):
         counts = torch.bincount(chosen.flatten(), minlength=self.num_experts)  # (E,) int64
         order = chosen.flatten().argsort(stable=True)  # token copies sorted by expert
         token = order // self.top_k
-        out = self.experts(x[token], counts) * weights.flatten()[order, None].to(x.dtype)
+        rows = x[token]
+        out = self.experts(rows, counts) if self.exchange is None else self.exchange(rows, counts, self.experts)
+        out = out * weights.flatten()[order, None].to(x.dtype)
         y = torch.zeros_like(x).index_add_(0, token, out)
         if self.shared is not None:
             y = y + self.shared(x)

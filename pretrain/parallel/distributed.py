@@ -34,13 +34,17 @@ class Dist:
     consecutive ranks (one node's GPUs, where their all-to-alls and all-reduces are cheapest). The
     ranks of a group read the same sequences: data (the loader, batch sizes, the data position) is
     per data-parallel rank. ZeRO shards over every rank under sequence parallelism and over the
-    data-parallel ranks of each tensor-parallel slice under tensor parallelism."""
+    data-parallel ranks of each tensor-parallel slice under tensor parallelism. Expert parallelism
+    (`ep`) is orthogonal to the data: each group of ep consecutive ranks shares out a Mixture-of-
+    Experts' experts, every rank routing its own tokens to them; ZeRO-3 partitions an expert's
+    weights over the ranks that hold it (its expert-data-parallel group, every ep-th rank)."""
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     sp: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallelism (distributed.expert_parallel): groups of ep consecutive ranks share out the experts
     local_size: int = 1  # ranks on this node (node_size(): as the launcher says)
 
     @property
@@ -173,9 +177,11 @@ _CPU_GROUP = _CHECKPOINT_GROUP = None
 _DEVICE_TYPE = "cpu"  # the device type of the default group's tensors
 _TIMEOUT = None
 _SEQUENCE_GROUP = _DATA_GROUP = _TENSOR_GROUP = None
+_EXPERT_GROUP = _EXPERT_DATA_GROUP = None
 
 
-def init_layout(env: Dist, sequence_parallel: int, tensor_parallel: int, hpz: bool = False) -> Dist:
+def init_layout(env: Dist, sequence_parallel: int, tensor_parallel: int, hpz: bool = False,
+                expert_parallel: int = 1) -> Dist:
     """The parallel layout (config checks that it divides the world; at most one of the two is > 1):
     `env` with its sequence- or tensor-parallel size, and the groups of `size` consecutive ranks.
     With `hpz` (ZeRO++'s secondary weight partition within each node: DeepSpeed builds its groups of
@@ -187,8 +193,15 @@ def init_layout(env: Dist, sequence_parallel: int, tensor_parallel: int, hpz: bo
     Tensor-parallel groups are DeepSpeed's (its AutoTP and ZeRO read them from deepspeed.utils.groups):
     a (data-parallel, tensor-parallel) mesh whose tensor-parallel ranks are consecutive, made here so
     that the layout has one owner and ZeRO-3's zero.Init, before the engine, shards over the
-    data-parallel ranks; checked against the data's layout (Dist.dp_rank)."""
+    data-parallel ranks; checked against the data's layout (Dist.dp_rank).
+
+    Expert-parallel groups (`expert_parallel` > 1) are DeepSpeed's too (ZeRO-3 reads a parameter's
+    partition group, and the group it sums an expert's gradient norm over, from deepspeed.utils.groups
+    by the parameter's group name, expert_group_name()): ep consecutive ranks share out the experts,
+    and each expert is partitioned over the ranks that hold it, every ep-th one."""
     global _SEQUENCE_GROUP, _DATA_GROUP, _TENSOR_GROUP
+    if expert_parallel > 1:
+        env = _init_experts(env, expert_parallel)
     if hpz and (env.local_size >= env.world_size or env.world_size % env.local_size):
         from pretrain.errors import ConfigError
 
@@ -216,6 +229,38 @@ def init_layout(env: Dist, sequence_parallel: int, tensor_parallel: int, hpz: bo
         if env.rank in ranks:
             _SEQUENCE_GROUP = group
     return dataclasses.replace(env, sp=size)
+
+
+def expert_group_name(size: int) -> str:
+    """DeepSpeed's name of the expert-parallel groups of `size` ranks (deepspeed.utils.groups)."""
+    return f"ep_size_{size}"
+
+
+def _init_experts(env: Dist, size: int) -> Dist:
+    global _EXPERT_GROUP, _EXPERT_DATA_GROUP
+    from deepspeed.utils import groups
+
+    name = expert_group_name(size)
+    if name not in groups._EXPERT_PARALLEL_GROUP:
+        groups._create_expert_and_data_parallel(size, mp_size=1, pp_size=1)
+    _EXPERT_GROUP, _EXPERT_DATA_GROUP = groups._get_expert_parallel_group(name), groups._get_expert_data_parallel_group(name)
+    first = env.rank - env.rank % size
+    ranks = dist.get_process_group_ranks(_EXPERT_GROUP)
+    if ranks != list(range(first, first + size)) or dist.get_process_group_ranks(_EXPERT_DATA_GROUP) != list(
+            range(env.rank % size, env.world_size, size)):
+        raise RuntimeError(f"DeepSpeed's expert-parallel group of rank {env.rank} is {ranks}, not the consecutive "
+                           "ranks this layout assumes")
+    return dataclasses.replace(env, ep=size)
+
+
+def expert_group():
+    """This rank's expert-parallel group (the ranks its tokens travel among; None without)."""
+    return _EXPERT_GROUP
+
+
+def expert_data_group():
+    """The ranks that hold this rank's experts, over which ZeRO-3 partitions them (None without)."""
+    return _EXPERT_DATA_GROUP
 
 
 def data_parallel_group():
@@ -447,7 +492,14 @@ def barrier() -> None:
 
 
 def shutdown() -> None:
-    global _SEQUENCE_GROUP, _DATA_GROUP, _TENSOR_GROUP
-    _SEQUENCE_GROUP = _DATA_GROUP = _TENSOR_GROUP = None
+    global _SEQUENCE_GROUP, _DATA_GROUP, _TENSOR_GROUP, _EXPERT_GROUP, _EXPERT_DATA_GROUP
+    _SEQUENCE_GROUP = _DATA_GROUP = _TENSOR_GROUP = _EXPERT_GROUP = _EXPERT_DATA_GROUP = None
+    import sys
+
+    if "deepspeed.utils.groups" in sys.modules:  # (its expert groups belong to this process group)
+        groups = sys.modules["deepspeed.utils.groups"]
+        for table in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                      groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+            table.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
