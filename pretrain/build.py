@@ -8,7 +8,7 @@ import logging
 import os
 from pathlib import Path
 
-from pretrain.config import Config
+from pretrain.config import Config, moe_muon_bf16_problems
 from pretrain.errors import ConfigError
 from pretrain.hf import hub
 from pretrain.metrics import JsonlLogger, Loggers, MetricLogger, WandbLogger
@@ -104,6 +104,8 @@ def engine(cfg: Config, args: ModelArgs, env: distributed.Dist, precision: str, 
     if launcher_stage and int(launcher_stage) != cfg.distributed.zero_stage:
         log.info("note: the accelerate config says zero_stage %s; this run uses distributed.zero_stage=%d "
                  "from the run config", launcher_stage, cfg.distributed.zero_stage)
+    if moe_muon_bf16_problems(cfg, precision):  # (train.precision=auto, resolved to bf16 on this device)
+        raise ConfigError(moe_muon_bf16_problems(cfg, precision))
     ds_config = deepspeed_config(cfg, env.world_size, precision, env.local_size)
     model = build_model(args, cfg, ds_config, seed=cfg.train.seed)
     if init_weights_from is not None:

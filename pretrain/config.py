@@ -421,8 +421,11 @@ def moe_problems(cfg: "Config") -> list[str]:
     if not experts:
         return out
     why = {
-        "optimizer.name=muon": (cfg.optimizer.name == "muon", "Muon would orthogonalise the stacked (E, H, D) expert "
-                                "tensors as one matrix, not each expert's; use optimizer.name=adamw"),
+        "optimizer.name=muon and distributed.expert_parallel > 1": (
+            cfg.optimizer.name == "muon" and d.expert_parallel > 1,
+            "Muon's ZeRO-3 step (pretrain/optim/muon.py) gathers each matrix over every rank, not an expert's "
+            "over the ranks that hold it; use optimizer.name=adamw or expert_parallel=1"),
+
         "distributed.tensor_parallel > 1": (d.tensor_parallel > 1, "AutoTP does not split stacked experts; use "
                                             "tensor_parallel=1"),
         "train.mlp_chunk_tokens": (t.mlp_chunk_tokens > 0, "the experts' tokens are not tiled; use 0"),
@@ -431,7 +434,22 @@ def moe_problems(cfg: "Config") -> list[str]:
     for name, (bad, fix) in why.items():
         if bad:
             out.append(f"model.moe_experts={cfg.model.moe_experts} with {name}: {fix}")
+    if t.precision == "bf16":
+        out += moe_muon_bf16_problems(cfg, "bf16")
     return out
+
+
+def moe_muon_bf16_problems(cfg: "Config", precision: str) -> list[str]:
+    """Muon on an MoE model at `precision` (resolved: train.precision=auto is bf16 on GPUs) where
+    DeepSpeed runs its bf16 optimizer (bf16, ZeRO-0/1, fp32 gradients, no offload), which takes
+    Muon's 2-D matrices only (bf16_optimizer.py: "dense two-dimensional matrices only")."""
+    d = cfg.distributed
+    if cfg.model.moe_experts and cfg.optimizer.name == "muon" and precision == "bf16" and d.zero_stage <= 1 \
+            and d.grad_dtype == "fp32" and not d.offload_optimizer:
+        return [f"model.moe_experts={cfg.model.moe_experts} with optimizer.name=muon at bf16 and distributed.zero_stage="
+                f"{d.zero_stage}: DeepSpeed's bf16 optimizer (ZeRO-0/1 with fp32 gradients) runs Muon on 2-D matrices "
+                "only, not stacked experts; use zero_stage=2 or 3"]
+    return []
 
 
 def zero_sizes(cfg: Config) -> dict:

@@ -790,3 +790,24 @@ def test_mixtral_8x7b_config_counts_every_expert_and_prices_the_active_ones():
     assert "12,879.9M active per token" in text and "recommended: EP 8 + ZeRO-3" in text
     ep = load_config(REPO / "configs" / "mixtral_8x7b.yaml", ["model.vocab_size=32000", "distributed.expert_parallel=8"])
     assert "expert parallelism over 8 GPUs" in report(estimate(ep, ep.model, Assumptions(gpus=64)))
+
+
+def test_muon_estimate_counts_each_expert_as_the_optimizer_steps_it():
+    """An MoE model under Muon: the estimate's matrices are the optimizer's, in its order (the
+    routers, each block's stacked experts, the shared experts, a dense first block's FFN), and the
+    Newton-Schulz FLOPs count each expert apart, as pretrain/optim/muon.py costs them for its owners."""
+    from pretrain.optim.muon import matrix_flops
+    from pretrain.optim.optimizer import muon_param_groups
+
+    cfg = load_config(TINY, ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_hidden_dim=64",
+                             "model.moe_shared_experts=1", "model.moe_dense_layers=1", "optimizer.name=muon",
+                             "model.vocab_size=512"])
+    groups = muon_param_groups(Transformer(cfg.model), cfg.optimizer)
+    muon = [p for g in groups if g["use_muon"] for p in g["params"]]
+    assert sum(p.is_expert_group for p in muon) == 3 * (cfg.model.n_layers - 1)
+    step = muon_step(cfg.model, 0, 1, 10**9, 4)
+    assert sorted(tuple(p.shape) for p in muon) == sorted(s for g in muon_matrices(cfg.model) for s in g)
+    assert step["params"] == sum(p.numel() for p in muon)
+    assert step["flops_total"] == sum(matrix_flops(p.shape, None, "gram", p.is_expert_group) for p in muon)
+    stacked = next(p for p in muon if p.is_expert_group)
+    assert matrix_flops(stacked.shape, experts=True) == 4 * newton_schulz_flops(*stacked.shape[1:])

@@ -16,19 +16,32 @@ those of its own partition, so an upper bound) with no step traffic; not checked
 
 from __future__ import annotations
 
+import math
+
 from pretrain.estimate.memory import block_matrices
 from pretrain.model.args import ModelArgs
 
 
-def muon_matrices(args: ModelArgs) -> list[list[tuple[int, int]]]:
+def muon_matrices(args: ModelArgs) -> list[list[tuple[int, ...]]]:
     """The matrices Muon steps, (fan_out, fan_in), in the order ZeRO-3 steps them: one optimizer group
     per fan-in (optim.muon_param_groups), in the order the model first has it, each group's
-    matrices in the model's order (wq wk wv wo w1 w2 w3 per block)."""
+    matrices in the model's order (wq wk wv wo w1 w2 w3 per block). An MoE block's feed-forward is
+    its router (E, D), its stacked experts (E, fan_out, fan_in) for w1, w2, w3 (each expert
+    orthogonalised apart: `matrix_cost`) and its shared experts' three matrices."""
+    D, H, E = args.dim, args.moe_expert_hidden_dim, args.moe_experts
+    shared = args.moe_shared_experts * H
+    attention = block_matrices(args)[:4]
+    moe = [*attention, (E, D), (E, H, D), (E, D, H), (E, H, D), *([(shared, D), (D, shared), (shared, D)] if shared else [])]
     groups: dict[int, list] = {}
-    for _ in range(args.n_layers):
-        for shape in block_matrices(args):
-            groups.setdefault(shape[1], []).append(shape)
+    for i in range(args.n_layers):
+        for shape in (moe if args.is_moe_layer(i) else block_matrices(args)):
+            groups.setdefault(shape[-1], []).append(shape)
     return list(groups.values())
+
+
+def matrix_cost(shape: tuple[int, ...], method: str = "gram") -> int:
+    """Newton-Schulz FLOPs of one of muon_matrices' entries: a matrix, or E stacked experts' E matrices."""
+    return shape[0] * newton_schulz_flops(*shape[1:], method) if len(shape) == 3 else newton_schulz_flops(*shape, method)
 
 
 def owners(costs: list[int], n: int) -> list[int]:
@@ -93,12 +106,13 @@ def muon_step(args: ModelArgs, stage: int, world: int, bucket: int, c: int, meth
       out: muon_update's Newton-Schulz matrices in half precision and the m x m Gram matrices.
     At stage 0 (fp32, no ZeRO) every rank orthogonalises every matrix and sends nothing."""
     flat = [s for g in muon_matrices(args) for s in g]
-    n_muon = sum(m * k for m, k in flat)
-    costs = [newton_schulz_flops(m, k, method) for m, k in flat]
+    numels = [math.prod(s) for s in flat]
+    n_muon = sum(numels)
+    costs = [matrix_cost(s, method) for s in flat]
     out = {"params": n_muon, "flops_total": sum(costs), "flops": 0, "comm": 0.0}
     if stage != 3:
-        return {**out, "flops": out["flops_total"], "transient": c * 3 * max(m * k for m, k in flat)}
-    n, numels = world, [m * k for m, k in flat]
+        return {**out, "flops": out["flops_total"], "transient": c * 3 * max(numels)}
+    n = world
     parts = [-(-x // n) for x in numels]
     owner = owners(costs, n)
     load, sent, transient = [0] * n, [0] * n, 0.0

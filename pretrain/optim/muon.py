@@ -20,8 +20,11 @@ from pretrain.parallel import distributed
 from pretrain.estimate.muon import batches, newton_schulz_flops, owners  # (the cost model's assignment, run here)
 
 
-def matrix_flops(shape, num_heads=None, method: str = "gram") -> int:
-    """Newton-Schulz FLOPs of DeepSpeed's iteration on a matrix (per head with num_heads)."""
+def matrix_flops(shape, num_heads=None, method: str = "gram", experts: bool = False) -> int:
+    """Newton-Schulz FLOPs of DeepSpeed's iteration on a matrix (per head with num_heads; per expert
+    of a stacked (E, out, in) tensor with `experts`)."""
+    if experts:
+        return shape[0] * newton_schulz_flops(shape[1], shape[2], method)
     m = shape[0]
     k = torch.Size(shape).numel() // m  # (a conv filter is viewed as 2D, as muon_update does)
     return num_heads * newton_schulz_flops(m // num_heads, k, method) if num_heads else newton_schulz_flops(m, k, method)
@@ -55,7 +58,8 @@ def zero3_step(zero, plan: dict) -> None:
     if not plan:
         numels = [p.ds_numel for _, _, p in items]
         method = getattr(zero, "muon_ns_method", None) or "gram"
-        costs = [matrix_flops(p.ds_shape, getattr(p, "muon_num_heads", None), method) for _, _, p in items]
+        costs = [matrix_flops(p.ds_shape, getattr(p, "muon_num_heads", None), method, getattr(p, "is_expert_group", False))
+                 for _, _, p in items]
         owner = owners(costs, n)
         order = sorted(range(len(items)), key=lambda k: (-costs[k], k))
         plan.update(owner=owner, batches=batches(order, numels, n * zero.reduce_bucket_size))
@@ -96,7 +100,8 @@ def _batch(zero, items, owner, n, rank, pg, dtype, muon_update, dist) -> None:
         grad = slots[:, o:o + pn].reshape(-1)[:numel].view(p.ds_shape)
         mom = slots[:, o + pn:o + 2 * pn].reshape(-1)[:numel].view(p.ds_shape)
         update = muon_update(grad, mom, beta=zero.muon_beta, ns_method=getattr(zero, "muon_ns_method", None) or "gram",
-                             num_heads=getattr(p, "muon_num_heads", None))
+                             num_heads=getattr(p, "muon_num_heads", None),
+                             is_expert_group=getattr(p, "is_expert_group", False))  # (each expert apart)
         for x, at in ((update, o), (mom, o + pn)):  # padded with zeros past the matrix, as DeepSpeed's momentum
             padded = torch.zeros(n * pn, dtype=dtype, device=recv.device)
             padded[:numel].copy_(x.reshape(-1))

@@ -139,7 +139,8 @@ def base_shape(name: str, shape, args: ModelArgs):
 
 
 def muon_param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> list[dict]:
-    """AdamW's groups (param_groups) with the hidden roles' matrices moved to Muon groups, one per
+    """AdamW's groups (param_groups) with the hidden roles' matrices (an MoE layer's stacked experts:
+    each expert's) moved to Muon groups, one per
     rate (muon_lr_scale: by fan-in under sp, by the base's under mup/completep); every group is
     tagged `use_muon`, and so is every parameter, which is how ZeRO finds the matrices it must
     orthogonalise (by role, not by DeepSpeed's own name rule, which would hand our untied `output`
@@ -153,10 +154,14 @@ def muon_param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> list[dict
         rest = []
         for p in g["params"]:
             shape = getattr(p, "ds_shape", p.shape)
-            p.use_muon = len(shape) == 2 and role(names[p], len(shape)) in MUON_ROLES
+            # An MoE layer's stacked experts (E, out, in) are E matrices: DeepSpeed's muon_update
+            # orthogonalises each one apart (a batched Newton-Schulz) where `is_expert_group` says so.
+            p.use_muon = len(shape) in (2, 3) and role(names[p], len(shape)) in MUON_ROLES
             if not p.use_muon:
                 rest.append(p)
                 continue
+            p.is_expert_group = len(shape) == 3
+            shape = shape[-2:]
             scale = muon_lr_scale(shape, base_shape(names[p], shape, model.args))
             if scale not in muon:
                 muon[scale] = {"params": [], "use_muon": True, "lr_scale": scale, "lr": cfg.lr * scale,
