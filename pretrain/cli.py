@@ -226,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals")
     co.add_argument("--out", help="directory for compare.png")
     co.add_argument("--json", help="also write the comparison to this JSON file")
+    co.add_argument("--by-law", action="store_true",
+                    help="set each B point against A's law at its N and D, for ladders whose points differ (an MoE "
+                         "family's active N against a dense family's: docs/moe.md)")
     co.set_defaults(fn=_scaling("compare_cli"))
 
     mu = sub.add_parser("mup", help="muP / CompleteP: coordinate checks (docs/mup.md)").add_subparsers(

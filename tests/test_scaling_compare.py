@@ -89,6 +89,28 @@ def test_points_are_matched_by_size_and_tokens(tmp_path, caplog):
     assert r["optimal"]["budget"] == 3e20  # (default: the largest budget)
 
 
+def test_by_law_sets_points_of_other_sizes_against_a_law(tmp_path, capsys):
+    """--by-law: B's points 2% larger in N than A's (an MoE family's routers) have no partner of the
+    same N and D; each is set against A's law at its N and D (marked "(law)"), and the multiplier
+    still comes out k, its interval holding it; without the flag the inputs are refused."""
+    a = _csv(tmp_path / "a.csv", _points(LAW_A, noise=0.002, seed=2))
+    b_points = [F.Point(round(p.params * 1.02), p.tokens, F.predict(LAW_B, round(p.params * 1.02), p.tokens),
+                        p.budget, p.name) for p in _points(LAW_B)]
+    b = _csv(tmp_path / "b.csv", b_points)
+    assert main(["scaling", "compare", a, b, "--budget", "1e21", "--bootstrap", "30"]) == 2
+    assert "no model size in common" in _one_error(capsys)
+    out = tmp_path / "cmp.json"
+    assert main(["scaling", "compare", a, b, "--by-law", "--budget", "1e21", "--bootstrap", "30",
+                 "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert len(r["rows"]) == 30 and all(x["a_from_law"] for x in r["rows"])
+    assert all(x["multiplier"] == pytest.approx(K, rel=0.1) for x in r["rows"])
+    g = r["geometric_mean"]
+    assert g["multiplier"] == pytest.approx(K, rel=0.05) and g["interval"][0] <= K <= g["interval"][1]
+    text = capsys.readouterr().out
+    assert "against a's law at its N and D" in text and "(law)" in text
+
+
 @pytest.mark.parametrize("case,message", [
     ("not_a_sweep", "not a sweep dir (manifest.csv), a run dir (config.yaml) or a .csv"),
     ("no_common_size", "have no model size in common"),

@@ -21,6 +21,12 @@ dirs planned alike, each trained at its own tuned rate. Reported:
   L*(C) = E + K C^-gamma, gamma = alpha beta / (alpha + beta) (fit.optimum, C = 6 N D), so
   C_A = C ((L_B*(C) - E_A) / (L_A*(C) - E_A))^(-1/gamma_A): an extrapolation of both laws.
 
+`--by-law`: ladders whose points are not of the same N and D (a Mixture-of-Experts family, whose
+active N carries its routers, against a dense family planned alike: docs/moe.md): each B point is
+set against A's law at its N and D instead of a measured A point (the row's A loss is the law's,
+marked), and the multiplier is anchored there; A's misfit at the point then enters it, so the
+table says so.
+
 95% intervals: the points resampled and refitted (fit.parametric's bootstrap): A's for each
 point's multiplier (the law's D-term; the two measured losses are taken as they are: their noise
 is not in it), A's and the table's rows for the geometric mean (the rows' scatter carries the
@@ -72,19 +78,24 @@ def _interval(values) -> list[float] | None:
 
 
 def _label(path: str) -> str:
-    """The optimizer a sweep dir was planned with, else the input's name."""
+    """The optimizer a sweep dir was planned with (and its experts, for a Mixture-of-Experts), else
+    the input's name."""
     plan = Path(path) / "plan.json"
     try:
-        return json.loads(plan.read_text())["inputs"]["config"]["optimizer"]["name"]
+        config = json.loads(plan.read_text())["inputs"]["config"]
+        name, model = config["optimizer"]["name"], config.get("model", {})
     except (OSError, ValueError, KeyError, TypeError):
         return Path(path).stem
+    if model.get("moe_experts"):
+        name = f"MoE {model['moe_experts']}x top-{model.get('moe_top_k', 2)} ({name})"
+    return name
 
 
 def _key(p: F.Point) -> tuple[float, float]:
     return float(f"{p.params:.6g}"), float(f"{p.tokens:.6g}")
 
 
-def compare(a: str, b: str, budget: float = 0.0, bootstrap: int = 200) -> dict:
+def compare(a: str, b: str, budget: float = 0.0, bootstrap: int = 200, by_law: bool = False) -> dict:
     from pretrain.scaling.results import collect
 
     # (sorted: the resamples, so the intervals, do not depend on the order of a sweep's or a CSV's rows)
@@ -94,6 +105,8 @@ def compare(a: str, b: str, budget: float = 0.0, bootstrap: int = 200) -> dict:
         sides["a"]["label"], sides["b"]["label"] = f"A ({sides['a']['label']})", f"B ({sides['b']['label']})"
     by_key = {_key(p): p for p in sides["a"]["points"]}
     sizes_a, sizes_b = ({_key(p)[0] for p in sides[s]["points"]} for s in "ab")
+    if by_law:
+        return _by_law(sides, budget, bootstrap)
     if not sizes_a & sizes_b:
         raise F.FitError(f"{a} and {b} have no model size in common (A: {len(sizes_a)} sizes, B: {len(sizes_b)}): "
                          "plan both ladders alike (the same plan, one override apart)")
@@ -115,6 +128,29 @@ def compare(a: str, b: str, budget: float = 0.0, bootstrap: int = 200) -> dict:
         rows.append({"params": pb.params, "tokens": pb.tokens, "budget": pb.budget,
                      "compute": 6 * pb.params * pb.tokens, "loss_a": pa.loss, "loss_b": pb.loss, "difference": pb.loss - pa.loss, "multiplier": k,
                      "samples": [multiplier(s, pb.tokens, pa.loss, pb.loss) for s in samples_a]})
+    return _summarise(sides, rows, budget, bootstrap)
+
+
+def _by_law(sides: dict, budget: float, bootstrap: int) -> dict:
+    """compare's rows with every B point set against A's law at its N and D (`--by-law`)."""
+    for side in sides.values():
+        side.update(F.parametric(side["points"], bootstrap=bootstrap))
+        for w in F.problems(side):
+            log.warning("warning: the law of %s does not hold: %s", side["input"], w)
+    law_a, samples_a = sides["a"]["law"], sides["a"]["samples"]
+    rows = []
+    for pb in sorted(sides["b"]["points"], key=lambda p: (p.params, p.tokens)):
+        loss_a = float(F.predict(law_a, pb.params, pb.tokens))
+        rows.append({"params": pb.params, "tokens": pb.tokens, "budget": pb.budget, "compute": 6 * pb.params * pb.tokens,
+                     "loss_a": loss_a, "loss_b": pb.loss, "difference": pb.loss - loss_a, "a_from_law": True,
+                     "multiplier": multiplier(law_a, pb.tokens, loss_a, pb.loss),
+                     "samples": [multiplier(sa, pb.tokens, float(F.predict(sa, pb.params, pb.tokens)), pb.loss)
+                                 for sa in samples_a]})
+    return _summarise(sides, rows, budget, bootstrap)
+
+
+def _summarise(sides: dict, rows: list[dict], budget: float, bootstrap: int) -> dict:
+    law_a, samples_a = sides["a"]["law"], sides["a"]["samples"]
     # The mean's interval: A's resample i with a resample of the rows (so B's noise counts too).
     mean = lambda ks: math.exp(float(np.mean(np.log(ks))))  # noqa: E731 (inf stays inf)
     rng = np.random.default_rng(0)
@@ -141,7 +177,8 @@ def table(r: dict) -> str:
     lines = [f"| N | D | C = 6ND | {a} loss | {b} loss | {b} - {a} | compute multiplier (95%) |",
              "|---|---|---|---|---|---|---|"]
     for x in r["rows"]:
-        lines.append(f"| {x['params']:.3g} | {x['tokens']:.3g} | {x['compute']:.3g} | {x['loss_a']:.4f} | "
+        law = " (law)" if x.get("a_from_law") else ""
+        lines.append(f"| {x['params']:.3g} | {x['tokens']:.3g} | {x['compute']:.3g} | {x['loss_a']:.4f}{law} | "
                      f"{x['loss_b']:.4f} | {x['difference']:+.4f} | {_k(x['multiplier'], x['interval'])} |")
     return "\n".join(lines)
 
@@ -154,7 +191,10 @@ def report(r: dict) -> str:
         law = r[s]["law"]
         out.append(f"{r[s]['label']}: L(N, D) = {law['E']:.4g} + {law['A']:.4g} / N^{law['alpha']:.3f} + "
                    f"{law['B']:.4g} / D^{law['beta']:.3f}")
-    out += ["", f"{len(r['rows'])} points of the same N and D; the compute multiplier: the compute {a} needs at "
+    pairs = (f"{len(r['rows'])} points of {b}, each against {a}'s law at its N and D (--by-law: {a}'s misfit there "
+             "is in the multiplier)" if any(x.get("a_from_law") for x in r["rows"]) else
+             f"{len(r['rows'])} points of the same N and D")
+    out += ["", f"{pairs}; the compute multiplier: the compute {a} needs at "
             f"the same N to go from its loss to {b}'s, by its law's D-term, over {b}'s (95% intervals: "
             f"{r['bootstrap']} resamples of {a}'s points)", "", table(r), ""]
     g, o = r["geometric_mean"], r["optimal"]
@@ -206,8 +246,8 @@ def plot(r: dict, out: str) -> Path:
     bx.axhline(g["multiplier"], color="tab:red", ls="--", label=f"geometric mean {_k(g['multiplier'], g['interval'])}")
     finite = [v for x in r["rows"] for v in [x["multiplier"], *(x["interval"] or [])] if 0 < v < math.inf]
     bx.set(xscale="log", yscale="log", xlabel="compute C = 6 N D (FLOPs)",
-           ylabel=f"{a} compute to reach {b}'s loss / {b}'s", title="Compute multiplier at the same N (95% intervals)",
-           ylim=(min(finite + [1]) / 1.5, max(finite + [1]) * 1.5))
+           ylabel="A's compute to reach B's loss / B's", ylim=(min(finite + [1]) / 1.5, max(finite + [1]) * 1.5))
+    bx.set_title(f"Compute multiplier at the same N (95% intervals)\nA = {a}, B = {b}", fontsize=10)
     for axis in (bx.yaxis.set_major_formatter, bx.yaxis.set_minor_formatter):
         axis(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     bx.legend(fontsize=8)
@@ -219,7 +259,7 @@ def compare_cli(args) -> None:
 
     if args.budget:
         F.check_budget(args.budget)
-    r = compare(args.a, args.b, budget=args.budget, bootstrap=args.bootstrap)
+    r = compare(args.a, args.b, budget=args.budget, bootstrap=args.bootstrap, by_law=args.by_law)
     print(report(r))
     if args.out:
         print(plot(r, args.out))
