@@ -421,10 +421,6 @@ def moe_problems(cfg: "Config") -> list[str]:
     if not experts:
         return out
     why = {
-        "optimizer.name=muon and distributed.expert_parallel > 1": (
-            cfg.optimizer.name == "muon" and d.expert_parallel > 1,
-            "Muon's ZeRO-3 step (pretrain/optim/muon.py) gathers each matrix over every rank, not an expert's "
-            "over the ranks that hold it; use optimizer.name=adamw or expert_parallel=1"),
 
         "distributed.tensor_parallel > 1": (d.tensor_parallel > 1, "AutoTP does not split stacked experts; use "
                                             "tensor_parallel=1"),

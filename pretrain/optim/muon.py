@@ -41,7 +41,10 @@ def zero3_step(zero, plan: dict) -> None:
     if not zero.use_muon:
         return
     dtype = zero.communication_data_type
-    items = []  # (sub-group, index in it, parameter)
+    # (sub-group, index in it, parameter), by the process group the sub-group is partitioned over:
+    # the world, and under expert parallelism each rank's expert-data-parallel group for its experts
+    # (the same structure on every rank, so the collectives of each group line up)
+    by_group: dict[int, tuple] = {}
     for i, group in enumerate(zero.fp16_groups):
         if not zero.sub_groups_using_muon[i] or not group:
             continue
@@ -50,10 +53,14 @@ def zero3_step(zero, plan: dict) -> None:
         flat = zero.fp32_partitioned_groups_flat[i]
         if "momentum_buffer" not in zero.optimizer.state.get(flat, {}):  # (DeepSpeed's, on the first step)
             zero._create_momentum_buffer(zero.fp16_partitioned_groups_flat_numel[i], i, flat.ds_id)
-        items += [(i, j, p) for j, p in enumerate(group)]
-    if not items:
-        return
-    pg = zero._get_sub_group_process_group(items[0][0])
+        pg = zero._get_sub_group_process_group(i)
+        by_group.setdefault(id(pg), (pg, []))[1].extend((i, j, p) for j, p in enumerate(group))
+    for key, (pg, items) in enumerate(by_group.values()):
+        _group_step(zero, items, pg, plan.setdefault(key, {}), dtype, muon_update, dist)
+
+
+def _group_step(zero, items, pg, plan: dict, dtype, muon_update, dist) -> None:
+    """zero3_step for the Muon parameters partitioned over process group `pg`."""
     n, rank = dist.get_world_size(pg), dist.get_rank(pg)
     if not plan:
         numels = [p.ds_numel for _, _, p in items]
