@@ -421,7 +421,6 @@ def moe_problems(cfg: "Config") -> list[str]:
     if not experts:
         return out
     why = {
-
         "distributed.tensor_parallel > 1": (d.tensor_parallel > 1, "AutoTP does not split stacked experts; use "
                                             "tensor_parallel=1"),
         "train.mlp_chunk_tokens": (t.mlp_chunk_tokens > 0, "the experts' tokens are not tiled; use 0"),
