@@ -213,7 +213,8 @@ def test_what_moe_does_not_run_with_is_one_line(change, named, tmp_path):
 def test_compiled_moe_trains_like_eager(tmp_path):
     """train.compile on the user's path (bf16, ZeRO-3 with each block compiled, activation
     checkpointing, 2 ranks, 2 micro-batches a step), the MoE layer's router and per-expert loop
-    included: eager's losses within 1e-3. (Before `Router` and `Experts` were modules of their own,
+    included, and again with expert parallelism over the 2 ranks: eager's losses within 1e-3.
+    (Before `Router` and `Experts` were modules of their own,
     dynamo traced the router's weight still partitioned and the run failed.)"""
     common = ["data.seq_len=256", "model.max_seq_len=256", "train.micro_batch_size=1", "train.global_batch_size=4",
               "train.max_steps=4", "logging.log_every=1", "logging.wandb=disabled", "train.eval_every=0",
@@ -224,10 +225,15 @@ def test_compiled_moe_trains_like_eager(tmp_path):
     proc = run_train(common + ["train.compile=true", f"train.run_dir={tmp_path / 'compiled'}"], nproc=2)
     graphs = re.search(r"train.compile: the first step \(compiling\) took .* s: (\d+) graphs compiled", proc.stdout)
     assert graphs and int(graphs.group(1)) > 0, proc.stdout[-2000:]  # (dynamo's own count: not a no-op)
-    eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
-    assert sorted(compiled) == [1, 2, 3, 4]
-    for step in eager:
-        assert compiled[step] == pytest.approx(eager[step], abs=1e-3), (step, eager, compiled)
+    # and with expert parallelism over the 2 ranks (the exchange's split sizes break the graph too)
+    run_train(common + ["train.compile=true", "distributed.expert_parallel=2", f"train.run_dir={tmp_path / 'ep'}"],
+              nproc=2)
+    eager = losses(tmp_path / "eager")
+    for name in ("compiled", "ep"):
+        compiled = losses(tmp_path / name)
+        assert sorted(compiled) == [1, 2, 3, 4]
+        for step in eager:
+            assert compiled[step] == pytest.approx(eager[step], abs=1e-3), (name, step, eager, compiled)
 
 
 @pytest.mark.slow
