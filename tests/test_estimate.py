@@ -50,6 +50,13 @@ def saved_by_autograd(model, tokens, labels, chunk, mlp_chunk=0) -> int:
     (dict(dim=128, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden_dim=256, vocab_size=512), 2, 48, 0),
     (dict(dim=128, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden_dim=384, vocab_size=512), 0, 0, 32),
     (dict(dim=128, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden_dim=256, vocab_size=512), 2, 48, 40),
+    # Mixture-of-Experts blocks (memory.moe_bytes_per_token): shared experts and a dense first block; top-1 alone
+    (dict(dim=128, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden_dim=384, vocab_size=512, moe_experts=4,
+          moe_top_k=2, moe_hidden_dim=96, moe_shared_experts=1, moe_dense_layers=1), 0, 0, 0),
+    (dict(dim=128, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden_dim=384, vocab_size=512, moe_experts=8,
+          moe_top_k=1, moe_hidden_dim=64), 0, 0, 0),
+    (dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden_dim=384, vocab_size=512, moe_experts=4,
+          moe_top_k=2, moe_hidden_dim=96), 2, 0, 0),
 ])
 def test_activation_model_matches_what_autograd_saves(dtype, shape, ac, chunk, mlp_chunk):
     args = ModelArgs(max_seq_len=64, **shape)

@@ -97,8 +97,11 @@ def activation_bytes(args: ModelArgs, tokens: int, p: int, ac_every: int, loss_c
                  + (0 if tiled else mlp))
     if sp > 1:
         per_layer += p * qd
+    per_moe_layer = per_layer - (0 if tiled else mlp) + moe_bytes_per_token(args, p)
     checkpointed = checkpointed_blocks(args, ac_every)
-    layers = (args.n_layers - checkpointed) * per_layer + checkpointed * p * args.dim
+    layers = sum(p * args.dim if ac_every > 0 and i % ac_every == 0 else
+                 (per_moe_layer if args.is_moe_layer(i) else per_layer) for i in range(args.n_layers))
+    per_layer = max(per_layer, per_moe_layer if args.moe_experts else 0)  # (the largest block, for backward)
     chunk = loss_chunk or max(128, LOSS_CHUNK_BYTES // (4 * args.vocab_size))
     one_chunk = t <= chunk
     head = (4.5 + 2 * p) * args.dim + 28 + (4 * args.vocab_size if one_chunk else 0)
@@ -111,6 +114,22 @@ def activation_bytes(args: ModelArgs, tokens: int, p: int, ac_every: int, loss_c
     block_backward = per_layer * t * (2 if checkpointed else 1) + (mlp * mlp_chunk if tiled else 0)
     exchange = 2 * p * qd * t if sp > 1 else 0
     return {"saved": (layers + head) * t, "peak_extra": max(loss_peak, block_backward + exchange)}
+
+
+def moe_bytes_per_token(args: ModelArgs, p: int) -> int:
+    """What an MoE block's feed-forward keeps for backward per token, in place of the dense MLP's
+    4 p F (pretrain/model/moe.py, measured against autograd's saved tensors in tests/test_estimate.py):
+    the router's fp32 input (a copy unless the model is fp32; the block's count has the norm's
+    output, which nothing but shared experts keeps here), its logits and scores (for the
+    softmax, the z-loss's logsumexp), the routing's int64 indices and weights; per routed copy
+    (k per token) the row sent to its expert, the expert's four SwiGLU intermediates, its output
+    (kept by the weighting) and the weighted output (kept by index_add's backward for its shape):
+    3 p D + 4 p H; the shared experts' four intermediates, 4 p S H."""
+    D, E, k, H = args.dim, args.moe_experts, args.moe_top_k, args.moe_expert_hidden_dim
+    # (in fp32 the router's input is the norm's output itself, counted with the block; in a lower
+    # precision its fp32 copy, and the norm's output is kept only by shared experts)
+    router = (0 if p == 4 else 4 * D - (0 if args.moe_shared_experts else p * D)) + 12 * E + 44 * k + 16
+    return router + k * (3 * p * D + 4 * p * H) + 4 * p * args.moe_shared_experts * H
 
 
 def largest_layer_params(args: ModelArgs, tp: int = 1) -> int:
