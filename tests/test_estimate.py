@@ -818,3 +818,27 @@ def test_muon_estimate_counts_each_expert_as_the_optimizer_steps_it():
     assert step["flops_total"] == sum(matrix_flops(p.shape, None, "gram", p.is_expert_group) for p in muon)
     stacked = next(p for p in muon if p.is_expert_group)
     assert matrix_flops(stacked.shape, experts=True) == 4 * newton_schulz_flops(*stacked.shape[1:])
+
+
+def test_muon_step_under_expert_parallelism_runs_per_partition_group():
+    """Muon's ZeRO-3 step under expert parallelism (pretrain/optim/muon.py runs it per partition
+    group): the dense matrices over the world, each rank's E/ep experts over the world/ep ranks that
+    hold them. The same matrices and Newton-Schulz work in all; the experts' part of the busiest
+    rank's work is that of E/ep experts over world/ep owners. (Priced, not counted on ranks.)"""
+    cfg = load_config(TINY, ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_hidden_dim=64",
+                             "model.moe_dense_layers=1", "optimizer.name=muon", "model.vocab_size=512"])
+    args, bucket = cfg.model, 10**9
+    one, two = muon_step(args, 3, 4, bucket, 4), muon_step(args, 3, 4, bucket, 4, ep=2)
+    assert two["params"] == one["params"] and two["flops_total"] == one["flops_total"]
+    stacked = [s for g in muon_matrices(args) for s in g if len(s) == 3]
+    dense = [s for g in muon_matrices(args) for s in g if len(s) == 2]
+    assert len(stacked) == 3 * (args.n_layers - 1)
+    # each of the 2 owners of an expert-data-parallel group takes whole stacks of 2 experts
+    expert_flops = sorted((2 * newton_schulz_flops(*s[1:]) for s in stacked), reverse=True)
+    load = [0, 0]
+    for f in expert_flops:
+        load[load.index(min(load))] += f
+    dense_only = muon_step(args, 3, 4, bucket, 4)  # (every stack over 4 ranks: another assignment)
+    assert two["flops"] <= max(load) + sum(newton_schulz_flops(*s) for s in dense)
+    assert two["flops"] > max(load) and dense_only["flops"] > 0
+    assert muon_step(args, 0, 4, bucket, 4, ep=2)["flops"] == one["flops_total"]  # (below ZeRO-3: every rank, every matrix)

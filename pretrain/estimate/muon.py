@@ -89,7 +89,8 @@ def newton_schulz_flops(m: int, k: int, method: str = "gram", steps: int = 5) ->
     return flops + 2 * m * m * k  # Q X
 
 
-def muon_step(args: ModelArgs, stage: int, world: int, bucket: int, c: int, method: str = "gram") -> dict:
+def muon_step(args: ModelArgs, stage: int, world: int, bucket: int, c: int, method: str = "gram",
+              ep: int = 1) -> dict:
     """Muon's optimizer step per GPU, `c` the bytes of its communication dtype (the gradients'
     reduction dtype). At ZeRO-3 ours (pretrain/optim/muon.py, replacing DeepSpeed's round robin per
     bucket), checked on 1 and 2 CPU ranks (tests/test_estimate.py): every matrix has one owner
@@ -104,15 +105,32 @@ def muon_step(args: ModelArgs, stage: int, world: int, bucket: int, c: int, meth
       padded copy of the largest matrix a rank owns there and about 3 matrices of temporaries in
       muon_update, plus the momentum partitions parallelize.muon_at_zero3 copies (M / n); left
       out: muon_update's Newton-Schulz matrices in half precision and the m x m Gram matrices.
-    At stage 0 (fp32, no ZeRO) every rank orthogonalises every matrix and sends nothing."""
+    At stage 0 (fp32, no ZeRO) every rank orthogonalises every matrix and sends nothing.
+    Under expert parallelism (`ep`, ZeRO-3) the step runs per partition group, one after the other
+    (pretrain/optim/muon.py): the dense matrices over the `world`, each rank's E/ep experts of every
+    stacked tensor over the world/ep ranks that hold them; the busiest rank's FLOPs, bytes and
+    transient are those of the two groups added (an upper bound: not every rank is busiest in both).
+    "params" counts every expert (the states over the world are those of ep = 1)."""
     flat = [s for g in muon_matrices(args) for s in g]
+    total = sum(math.prod(s) for s in flat)
+    if ep > 1 and stage == 3:
+        dense = _step([s for s in flat if len(s) == 2], world, bucket, c, method)
+        experts = _step([(s[0] // ep, *s[1:]) for s in flat if len(s) == 3], world // ep, bucket, c, method)
+        return {"params": total, "flops_total": dense["flops_total"] + ep * experts["flops_total"],
+                **{k: dense[k] + experts[k] for k in ("flops", "comm", "transient")}}
+    return {**_step(flat, world if stage == 3 else 1, bucket, c, method, zero3=stage == 3), "params": total}
+
+
+def _step(flat: list[tuple[int, ...]], n: int, bucket: int, c: int, method: str, zero3: bool = True) -> dict:
+    """muon_step for the matrices `flat` partitioned over n ranks (zero3=False: no ZeRO-3 step)."""
     numels = [math.prod(s) for s in flat]
     n_muon = sum(numels)
     costs = [matrix_cost(s, method) for s in flat]
     out = {"params": n_muon, "flops_total": sum(costs), "flops": 0, "comm": 0.0}
-    if stage != 3:
+    if not flat:
+        return {**out, "transient": 0.0}
+    if not zero3:
         return {**out, "flops": out["flops_total"], "transient": c * 3 * max(numels)}
-    n = world
     parts = [-(-x // n) for x in numels]
     owner = owners(costs, n)
     load, sent, transient = [0] * n, [0] * n, 0.0

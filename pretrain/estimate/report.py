@@ -133,7 +133,7 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         # A tensor-parallel rank holds 1/tp of the block matrices and all of the rest; ZeRO shards
         # what it holds over the ranks that hold the same slice (a sequence-parallel group's too).
         local, zero_world = tensor_parallel_params(args, n_total, tp), world // tp
-        opt = muon_step(args, stage, world, bucket, g, cfg.optimizer.muon_ns_method) if muon else None
+        opt = muon_step(args, stage, world, bucket, g, cfg.optimizer.muon_ns_method, ep) if muon else None
         states = model_state_bytes(local, stage, zero_world, a.precision, d.grad_dtype, largest_layer_params(args, tp),
                                    opt["params"] if muon else 0)
         if hpz:  # the secondary partition: the 16-bit weights over the node's GPUs
