@@ -117,10 +117,7 @@ def compare(a: str, b: str, budget: float = 0.0, bootstrap: int = 200, by_law: b
     left = len(sides["a"]["points"]) + len(sides["b"]["points"]) - 2 * len(pairs)
     if left:
         log.warning("warning: %d point(s) without a partner of the same N and D: in the fits, not in the table", left)
-    for side in sides.values():
-        side.update(F.parametric(side["points"], bootstrap=bootstrap))
-        for w in F.problems(side):
-            log.warning("warning: the law of %s does not hold: %s", side["input"], w)
+    _fit(sides, bootstrap)
     law_a, samples_a = sides["a"]["law"], sides["a"]["samples"]
     rows = []
     for pa, pb in sorted(pairs, key=lambda ab: (ab[1].params, ab[1].tokens)):
@@ -131,12 +128,17 @@ def compare(a: str, b: str, budget: float = 0.0, bootstrap: int = 200, by_law: b
     return _summarise(sides, rows, budget, bootstrap)
 
 
-def _by_law(sides: dict, budget: float, bootstrap: int) -> dict:
-    """compare's rows with every B point set against A's law at its N and D (`--by-law`)."""
+def _fit(sides: dict, bootstrap: int) -> None:
+    """Each side's parametric law and its bootstrap samples, with a warning where it does not hold."""
     for side in sides.values():
         side.update(F.parametric(side["points"], bootstrap=bootstrap))
         for w in F.problems(side):
             log.warning("warning: the law of %s does not hold: %s", side["input"], w)
+
+
+def _by_law(sides: dict, budget: float, bootstrap: int) -> dict:
+    """compare's rows with every B point set against A's law at its N and D (`--by-law`)."""
+    _fit(sides, bootstrap)
     law_a, samples_a = sides["a"]["law"], sides["a"]["samples"]
     rows = []
     for pb in sorted(sides["b"]["points"], key=lambda p: (p.params, p.tokens)):
