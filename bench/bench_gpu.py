@@ -8,6 +8,7 @@ LlamaForCausalLM, measured in one run on one GPU.
 For each preset, activation checkpointing off and on (every block), compile off and on:
 - trainer: `pretrain train` (DeepSpeed, ZeRO stage 0 on one device, bf16 with fp32 master weights,
   the chunked loss), on a synthetic prepared token source written here (random ids; no tokenizing);
+  trainer-fp8 the same with train.precision=fp8 (--fp8-recipe; emulated on a CPU);
 - plain: the same model in a textbook loop: bf16 autocast over fp32 weights, fused AdamW, clipping;
 - hf: transformers' LlamaForCausalLM of the same shape (SDPA attention), the same loop.
 The three alternate within each configuration. MFU = tokens/s x the PaLM FLOPs per token / peak,
@@ -59,21 +60,28 @@ def synthetic_source(out: Path, tokens: int) -> Path:
     return out
 
 
-def run_trainer(a, preset: str, micro: int, ac: int, compile_: bool, data: Path, docmask: bool = False) -> dict:
+def run_trainer(a, preset: str, micro: int, ac: int, compile_: bool, data: Path, docmask: bool = False,
+                fp8: bool = False) -> dict:
+    """`pretrain train` (bf16, or fp8: train.precision=fp8 with --fp8-recipe, emulated on a CPU),
+    logging every step: tokens/s is the median of the steps after the warm-up, every step's loss is
+    returned."""
+    precision = ["train.precision=fp8", f"train.fp8_recipe={a.fp8_recipe}",
+                 f"train.fp8_emulate={str(a.device == 'cpu').lower()}"] if fp8 else []
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-c", TRAIN_WITHOUT_FINAL_SAVE, "train", str(REPO / "configs" / "tiny.yaml"),
                f"model.preset={preset}", f"model.vocab_size={VOCAB}", f"model.max_seq_len={a.seq_len}",
                f"data.sources=[{{path: {data}, kind: prepared}}]", "data.validation=[]", f"data.seq_len={a.seq_len}",
                "data.num_streams=1", f"train.micro_batch_size={micro}", f"train.max_steps={a.steps}",
                f"train.activation_checkpointing={ac}", f"train.compile={str(compile_).lower()}", "train.eval_every=0",
-               "distributed.zero_stage=0", f"logging.log_every={a.warmup}", "logging.wandb=disabled",
-               "logging.progress=false", f"train.run_dir={tmp}", f"model.document_mask={str(docmask).lower()}"]
+               "distributed.zero_stage=0", "logging.log_every=1", "logging.wandb=disabled",
+               "logging.progress=false", f"train.run_dir={tmp}", f"model.document_mask={str(docmask).lower()}",
+               *precision]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if proc.returncode:
             return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
         rows = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "perf/tokens_per_s" in r][1:]  # the first window is the warm-up
-    out = {"tokens_per_s": statistics.median(r["perf/tokens_per_s_per_device"] for r in rows),
+    rows = [r for r in rows if "perf/tokens_per_s" in r]
+    out = {"tokens_per_s": statistics.median(r["perf/tokens_per_s_per_device"] for r in rows[a.warmup:]),
            "losses": [r["train/loss"] for r in rows if "train/loss" in r]}
     if "memory/gpu_peak_allocated_gib" in rows[-1]:
         out["peak_gib"] = max(r["memory/gpu_peak_allocated_gib"] for r in rows)
@@ -163,10 +171,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10, help="untimed steps (compilation); --steps a multiple of it")
     p.add_argument("--device", default="cuda")
     p.add_argument("--kinds", default="trainer,plain,hf",
-                   help="of trainer, trainer-docmask, plain, hf, plain-fp8, docmask-flex, docmask-dense")
+                   help="of trainer, trainer-fp8, trainer-docmask, plain, hf, plain-fp8, docmask-flex, docmask-dense")
     p.add_argument("--ac", default="0,1", help="activation checkpointing settings to run (0 off, 1 every block)")
     p.add_argument("--compile", default="0,1", help="compile settings to run (0 off, 1 on)")
-    p.add_argument("--fp8-recipe", default="tensorwise", help="torchao float8 recipe for plain-fp8")
+    p.add_argument("--fp8-recipe", default="tensorwise", help="torchao float8 recipe for trainer-fp8 and plain-fp8")
     p.add_argument("--peak-flops", type=float, default=0.0,
                    help="peak FLOP/s of the GPU for MFU (default: by its name, for bf16 dense)")
     p.add_argument("--json", help="write every figure here")
@@ -195,7 +203,8 @@ def main() -> None:
                     kinds = a.kinds.split(",")
                     for kind in kinds if (ac + comp) % 2 == 0 else kinds[::-1]:  # alternate the order
                         if kind.startswith("trainer"):
-                            got = run_trainer(a, preset, micro, ac, comp, data, docmask=kind == "trainer-docmask")
+                            got = run_trainer(a, preset, micro, ac, comp, data, docmask=kind == "trainer-docmask",
+                                              fp8=kind == "trainer-fp8")
                         else:
                             proc = subprocess.run([sys.executable, __file__, "--device", a.device, "--seq-len",
                                                    str(a.seq_len), "--steps", str(a.steps), "--warmup", str(a.warmup),

@@ -2,7 +2,7 @@
 # The GPU check a lent machine runs first (docs/performance.md, "GPU"): from a fresh machine whose
 # image has torch but not DeepSpeed, install the carried wheels, then measure in one go, each part
 # writing its JSON as it goes so that a run cut short keeps what it measured.
-#   bash bench/gpu_check.sh WHEELS_DIR OUT_DIR [PARTS]   (PARTS: 1b_trainer,1b_fp8,125m_docmask; default all)
+#   bash bench/gpu_check.sh WHEELS_DIR OUT_DIR [PARTS]   (PARTS: 1b,125m_docmask; default all)
 # WHEELS_DIR holds deepspeed and the packages the image lacks (docs/performance.md lists them).
 set -uo pipefail
 wheels=${1:?wheels dir}; out=${2:?out dir}
@@ -14,9 +14,8 @@ bench() { local name=$1 limit=$2; shift 2
   setsid python3 bench/bench_gpu.py --json "$out/$name.json" "$@" >"$out/$name.log" 2>&1 &
   local pid=$!; (sleep "$limit"; kill -9 -- "-$pid" 2>/dev/null) & local timer=$!
   wait "$pid"; kill "$timer" 2>/dev/null; cat "$out/$name.log"; }
-# 1b, the trainer, compiled, activation checkpointing off and on (the figures the docs lacked)
-[[ ${3:-1b_trainer} == *1b_trainer* ]] && bench 1b_trainer 190 --presets 1b --kinds trainer --ac 0,1 --compile 1 --steps 30 --warmup 10
-# 1b, the plain loop in bf16 and with torchao float8 (tensorwise), compiled: speed and the losses
-[[ ${3:-1b_fp8} == *1b_fp8* ]] && bench 1b_fp8 190 --presets 1b --kinds plain,plain-fp8 --ac 0 --compile 1 --steps 30 --warmup 10
+# 1b, the trainer, compiled, activation checkpointing off and on, bf16 and fp8 (train.precision=fp8,
+# tensorwise): speed, MFU, peak memory, and every step's loss of both over the same 50 steps
+[[ ${3:-1b} == *1b* ]] && bench 1b 330 --presets 1b --kinds trainer,trainer-fp8 --ac 0,1 --compile 1 --steps 50 --warmup 10
 # 125m, document masking: FlexAttention (compiled) against the dense mask, and the trainer with it
 [[ ${3:-125m_docmask} == *125m_docmask* ]] && bench 125m_docmask 130 --presets 125m --kinds docmask-flex,docmask-dense,trainer-docmask --ac 0 --compile 1 --steps 20 --warmup 5

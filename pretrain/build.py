@@ -114,6 +114,10 @@ def engine(cfg: Config, args: ModelArgs, env: distributed.Dist, precision: str, 
         from pretrain.parallel.expert_parallel import shard_experts
 
         shard_experts(model, env, zero3=cfg.distributed.zero_stage == 3)
+    if cfg.train.precision == "fp8":  # (after zero.Init partitioned the linears: the same Parameters, swapped modules)
+        from pretrain.model.float8 import convert
+
+        convert(model, cfg.train.fp8_recipe, cfg.train.fp8_emulate)
     engine = build_engine(model, cfg, ds_config, env.device)
     if cfg.train.compile:
         apply_compile(engine, cfg.distributed.zero_stage)

@@ -88,10 +88,10 @@ def _estimate(args) -> None:
 
     cfg = load_config(args.config, args.overrides)
     precision = args.precision or (cfg.train.precision if cfg.train.precision != "auto" else "bf16")
-    peak = args.peak_tflops or (cfg.distributed.peak_flops / 1e12 if cfg.distributed.peak_flops
-                                else peak_flops_for("NVIDIA H100 80GB HBM3", precision) / 1e12)
+    peak = args.peak_tflops or (cfg.distributed.peak_flops / 1e12 if cfg.distributed.peak_flops else peak_flops_for(
+        "NVIDIA H100 80GB HBM3", "bf16" if precision == "fp8" else precision) / 1e12)  # (fp8: MFU of bf16's peak)
     e = estimate(cfg, model_args(cfg), Assumptions(args.gpus, args.mfu, peak, args.gbps, precision, args.gpu_memory,
-                                                   gpus_per_node=args.gpus_per_node))
+                                                   gpus_per_node=args.gpus_per_node, fp8_speedup=args.fp8_speedup))
     print(report(e))
     if args.json:
         with open(args.json, "w") as f:
@@ -264,8 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="memory per GPU in GiB: rows that need more are marked (default 80)")
     est.add_argument("--gpus-per-node", type=int, default=8,
                      help="GPUs per node, joined by NVLink: tensor parallelism and hpZ stay within one (default 8)")
-    est.add_argument("--precision", choices=["bf16", "fp16", "fp32"], help="training precision (default: the "
+    est.add_argument("--precision", choices=["bf16", "fp16", "fp32", "fp8"], help="training precision (default: the "
                      "config's; auto means bf16 on GPUs)")
+    est.add_argument("--fp8-speedup", type=float, default=0.0,
+                     help="fp8: the converted linears' speed over bf16's (default: the recipe's, docs/performance.md)")
     est.add_argument("--json", help="also write every figure to this JSON file")
     est.set_defaults(fn=_estimate)
 

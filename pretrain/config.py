@@ -27,6 +27,7 @@ import yaml
 from data_pipeline.config import DataConfig
 from pretrain.errors import ConfigError
 from pretrain.model.args import PRESETS, ModelArgs, _divisor_hint
+from pretrain.model.float8 import RECIPES
 
 
 @dataclass
@@ -65,7 +66,9 @@ class TrainConfig:
     global_batch_size: int = 0  # sequences per optimizer step across all devices (0 = micro * world)
     global_batch_tokens: int = 0  # or the same in tokens; must be a multiple of data.seq_len (0 = unused)
     seed: int = 42  # model init and dropout-free RNG seed
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32 | fp8 (bf16 with float8 matmuls in the blocks' linears, torchao: docs/performance.md)
+    fp8_recipe: str = "tensorwise"  # precision=fp8: tensorwise (one scale per tensor) | rowwise (one per row, more accurate, slower)
+    fp8_emulate: bool = False  # precision=fp8: the same scaled-float8 arithmetic with high-precision matmuls (CPU, tests, numerics)
     activation_checkpointing: int = 0  # 0 = off, 1 = every block, n = every n-th block
     eval_every: int = 0  # steps between validation passes (0 = only at the end; needs data.validation)
     eval_batches: int = 8  # global batches in one validation pass (fixed, the same every run)
@@ -192,7 +195,8 @@ class Config:
         if self.data.seq_len > self.model.max_seq_len:
             out.append(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
                        f"{self.model.max_seq_len}: raise model.max_seq_len or lower data.seq_len")
-        _choice(out, "train.precision", t.precision, ("auto", "bf16", "fp16", "fp32"))
+        _choice(out, "train.precision", t.precision, ("auto", "bf16", "fp16", "fp32", "fp8"))
+        out += fp8_problems(self)
         _choice(out, "train.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
         _choice(out, "logging.wandb", self.logging.wandb, ("auto", "online", "offline", "disabled"))
         _choice(out, "distributed.backend", self.distributed.backend, ("auto", "nccl", "gloo"))
@@ -429,8 +433,25 @@ def moe_problems(cfg: "Config") -> list[str]:
     for name, (bad, fix) in why.items():
         if bad:
             out.append(f"model.moe_experts={cfg.model.moe_experts} with {name}: {fix}")
-    if t.precision == "bf16":
+    if t.precision in ("bf16", "fp8"):
         out += moe_muon_bf16_problems(cfg, "bf16")
+    return out
+
+
+def fp8_problems(cfg: "Config") -> list[str]:
+    """train.precision=fp8 and its two fields (the device is checked at start-up:
+    parallelize.resolve_precision)."""
+    t, out = cfg.train, []
+    _choice(out, "train.fp8_recipe", t.fp8_recipe, RECIPES)
+    if t.precision != "fp8":
+        if t.fp8_emulate:
+            out.append(f"train.fp8_emulate=true needs train.precision=fp8 (not {t.precision})")
+        if t.fp8_recipe != "tensorwise":
+            out.append(f"train.fp8_recipe={t.fp8_recipe} needs train.precision=fp8 (not {t.precision})")
+    elif cfg.distributed.tensor_parallel > 1:
+        # (AutoTP replaces every nn.Linear, Float8Linear included, with its own layers: no float8 left)
+        out.append(f"train.precision=fp8 with distributed.tensor_parallel={cfg.distributed.tensor_parallel}: "
+                   "AutoTP's layers replace the float8 linears; use tensor_parallel=1 or precision=bf16")
     return out
 
 

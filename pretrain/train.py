@@ -222,7 +222,8 @@ def _train(cfg, env, stop: StopSignal):
         log.info("model: %.2fM parameters (%.2fM non-embedding%s), %.1f MFLOPs/token | world size %d%s | %s | "
                  "ZeRO-%d | global batch %d x %d tokens", n_total / 1e6, n_non_emb / 1e6, active, fpt / 1e6,
                  env.world_size, f" (sequence parallel {env.sp} x data parallel {env.dp_size})" if env.sp > 1 else "",
-                 precision, cfg.distributed.zero_stage, cfg.global_batch(env.dp_size), cfg.data.seq_len)
+                 "fp8 (bf16, float8 matmuls; MFU of bf16's peak)" if cfg.train.precision == "fp8" else precision,
+                 cfg.distributed.zero_stage, cfg.global_batch(env.dp_size), cfg.data.seq_len)
         trainer = Trainer(cfg, env, engine, loader, val_batches, Schedule(cfg), ckpt, logger, fpt, precision, stop,
                           tasks=suite)
         ckpt.track(engine=engine, trainer=trainer, data=DataPosition(loader), rng=RNGState(env))

@@ -443,7 +443,15 @@ MUTANTS = [
            "            buffer.copy_(module[name])", "            pass",
            "a resume at another layout starts the routers' biases at zero (DeepSpeed's universal load skips buffers)",
            "tests/test_moe_training.py::test_two_ranks_train_as_one_with_the_balance_counted_over_the_global_batch"),
-
+    mutant("fp8-not-converted", "pretrain/build.py",
+           "        convert(model, cfg.train.fp8_recipe, cfg.train.fp8_emulate)", "        pass",
+           "train.precision=fp8 trains in plain bf16 (the linears left as nn.Linear)",
+           "tests/test_fp8.py::test_fp8_trains_on_the_users_path_and_says_what_it_converted",
+           "tests/test_fp8.py::test_100_fp8_steps_stay_in_a_band_around_bf16s"),
+    mutant("precision-change-not-universal", "pretrain/checkpoint/manager.py",
+           "            universal = True  # (stages 1-3", "            universal = universal  # (stages 1-3",
+           "a resume at another precision (bf16 <-> fp32, ZeRO 1-3) looks for optimizer files named for its own",
+           "tests/test_fp8.py::test_an_fp8_checkpoint_resumes_in_fp32_and_evaluates"),
 ]
 
 

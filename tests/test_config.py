@@ -62,11 +62,11 @@ def test_wrong_type():
 
 def test_several_problems_reported_together():
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["model.dim=130", "model.n_heads=4", "model.n_kv_heads=3", "train.precision=fp8"])
+        load_config(None, ["model.dim=130", "model.n_heads=4", "model.n_kv_heads=3", "train.precision=fp4"])
     problems = e.value.problems
     assert any("not divisible by model.n_heads=4" in p for p in problems)
     assert any("n_kv_heads=3" in p for p in problems)
-    assert any("train.precision='fp8'" in p for p in problems)
+    assert any("train.precision='fp4'" in p for p in problems)
 
 
 def test_traffic_settings_are_checked():

@@ -316,6 +316,14 @@ class CheckpointManager:
         world size or tensor-parallel size through a universal conversion (pretrain/checkpoint/reshard.py)."""
         engine, ckpt = self.engine, start.path
         universal = start.universal(self.env)
+        saved_bf16 = any(ckpt.glob("bf16_*optim_states.pt"))  # (DeepSpeed names its files by precision)
+        if saved_bf16 != engine.bfloat16_enabled():
+            if self.zero_stage == 0:  # (stage 0's optimizer state is a different object in bf16 and fp32)
+                raise CheckpointError(
+                    f"checkpoint {ckpt} was saved at ZeRO stage 0 in {'bf16' if saved_bf16 else 'fp32'}, this run is "
+                    f"{'bf16' if engine.bfloat16_enabled() else 'fp32'}: resume at the saved precision (at ZeRO stage 0 "
+                    "the optimizer state differs between them; checkpoint.init_from loads the weights at any precision)")
+            universal = True  # (stages 1-3: the fp32 master weights and moments, re-cut for this engine)
         groups = engine.optimizer.param_groups
         hyper = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in groups]
         # Decided per checkpoint, not once per engine (DeepSpeed reads its config's load_universal

@@ -41,6 +41,14 @@ on CPU by counting the tensors alive; docs/performance.md compares it with DeepS
   node's GPUs, p x parameters / gpus_per_node.
   The memory of these two is modelled, not yet checked against a run; their communication below
   is counted on CPU ranks.
+- fp8 (train.precision=fp8, torchao's Float8Linear): weights, gradients and optimizer states as
+  bf16's; the float8 copies of a matmul's operands are transients of that matmul, and backward
+  recasts from the bf16 tensors autograd keeps as for bf16 (no more activations). What it adds is
+  under ZeRO-3: a Float8Linear keeps its gathered weight (a view, weight.t()) for backward, so the
+  storage ZeRO would free after forward stays until the block's backward: p x the converted
+  weights of every block not under activation checkpointing, plus one checkpointed block's during
+  its recomputation (float8_saved_weight_bytes; at stages 0-2 the weights are whole anyway). The
+  scales (a scalar per tensor, or one fp32 per row with rowwise) are not counted.
 A row over the GPU's memory (Assumptions.gpu_memory_gib: 80 GiB) is marked as not fitting.
 """
 
@@ -49,6 +57,7 @@ from __future__ import annotations
 import math
 
 from pretrain.model.args import ModelArgs
+from pretrain.model.float8 import ALIGN
 from pretrain.model.model import LOSS_CHUNK_BYTES
 
 
@@ -167,6 +176,25 @@ def block_matrices(args: ModelArgs) -> list[tuple[int, int]]:
     """A block's matrices, (fan_out, fan_in): wq wk wv wo w1 w2 w3."""
     qd, kvd, D, F = args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.dim, args.hidden_dim
     return [(qd, D), (kvd, D), (kvd, D), (D, qd), (F, D), (D, F), (F, D)]
+
+
+def float8_block_params(args: ModelArgs, i: int) -> int:
+    """Parameters of block i's linears that train.precision=fp8 converts (pretrain/model/float8.py):
+    attention's four and the SwiGLU's three (an MoE block: its shared experts', not the router's or
+    the routed experts'), where both dimensions are multiples of 16."""
+    qd, kvd, D = args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.dim
+    F = args.moe_shared_experts * args.moe_expert_hidden_dim if args.is_moe_layer(i) else args.hidden_dim
+    linears = [(qd, D), (kvd, D), (kvd, D), (D, qd)] + ([(F, D), (D, F), (F, D)] if F else [])
+    return sum(m * k for m, k in linears if m % ALIGN == 0 and k % ALIGN == 0)
+
+
+def float8_saved_weight_bytes(args: ModelArgs, p: int, ac_every: int, stage: int) -> int:
+    """ZeRO-3: the gathered weights Float8Linear keeps for backward (module docstring, fp8)."""
+    if stage != 3:
+        return 0
+    blocks = [float8_block_params(args, i) for i in range(args.n_layers)]
+    checkpointed = [n for i, n in enumerate(blocks) if ac_every and i % ac_every == 0]
+    return p * (sum(blocks) - sum(checkpointed) + max(checkpointed, default=0))
 
 
 def tensor_parallel_params(args: ModelArgs, n_params: int, tp: int) -> int:

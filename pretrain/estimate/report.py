@@ -23,7 +23,8 @@ from pretrain.errors import ConfigError
 from pretrain.estimate.comm import (TP_ALLREDUCES, allreduced_params, expert_exchange_bytes, expert_params,
                                     sequence_exchange_bytes, tensor_parallel_bytes, zero3_expert_gathers, zero3_gathered,
                                     zero_traffic)
-from pretrain.estimate.memory import (GIB, activation_bytes, allreduce_copy_bytes, checkpointed_blocks, kv_replication,
+from pretrain.estimate.memory import (GIB, activation_bytes, allreduce_copy_bytes, checkpointed_blocks,
+                                      float8_block_params, float8_saved_weight_bytes, kv_replication,
                                       largest_layer_params, model_state_bytes, tensor_parallel_params)
 from pretrain.estimate.muon import muon_step
 from pretrain.model.args import ModelArgs
@@ -36,12 +37,24 @@ class Assumptions:
     mfu: float = 0.4  # model FLOPs utilization assumed for the step time
     peak_tflops: float = 989.0  # per-GPU dense peak (H100/H200 bf16)
     gbps: float = 400.0  # interconnect bandwidth per GPU, Gbit/s (e.g. one 400G NIC per GPU)
-    precision: str = "bf16"
+    precision: str = "bf16"  # bf16 | fp16 | fp32 | fp8 (bf16 with the blocks' linears in float8)
     gpu_memory_gib: float = 80.0  # memory per GPU; rows that need more are marked (H100/A100 80GB)
     # In-node Gbit/s per GPU (NVLink 4: 450 GB/s): Ulysses' all-to-alls, TP's all-reduces, hpZ's
     # gathers, ZeRO within one node.
     sp_gbps: float = 3600.0
     gpus_per_node: int = 8  # GPUs joined by the in-node bandwidth: where TP groups and hpZ's secondary partitions live
+    # fp8: how much faster the converted linears' matmuls run than in bf16, casts included (0 = the
+    # recipe's FP8_SPEEDUP)
+    fp8_speedup: float = 0.0
+
+
+# The converted linears' matmul time, bf16 over fp8 with the casts, by recipe: what makes the
+# end-to-end gains torchao reports for Llama-3 8B on 8 H100s with torch.compile (its float8 README:
+# +25% tokens/s tensorwise, +10% rowwise; torchtitan's Llama-3.1 8B 6,667 -> 8,532 tokens/s/GPU,
+# +28%) when the converted linears are 80% of the step's FLOPs, as they are there at seq 8192:
+# 1 / (0.2 + 0.8 / s) = 1.25 -> s = 1.33; 1.10 -> 1.12. (The GEMM's peak is 2x bf16's; the casts,
+# the amax reductions and the unconverted work take the rest.)
+FP8_SPEEDUP = {"tensorwise": 1.33, "rowwise": 1.12}
 
 
 def _zero3_gathers(cfg: Config, args: ModelArgs, tp: int = 1, ep: int = 1) -> dict:
@@ -109,10 +122,18 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         raise ConfigError(f"--gpus-per-node={a.gpus_per_node} must be >= 1")
     if a.gpu_memory_gib <= 0:
         raise ConfigError(f"--gpu-memory={a.gpu_memory_gib:g} must be > 0 (GiB per GPU)")
+    if a.precision not in ("bf16", "fp16", "fp32", "fp8"):
+        raise ConfigError(f"precision {a.precision!r}: one of bf16, fp16, fp32, fp8")
+    if a.fp8_speedup < 0:
+        raise ConfigError(f"--fp8-speedup={a.fp8_speedup:g} must be > 0 (0 = the recipe's)")
+    fp8 = a.precision == "fp8"
+    if fp8 and cfg.train.precision != "fp8":  # (--precision fp8: the layouts fp8 refuses are refused)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="fp8"))
     if cfg.problems():
         raise ConfigError(cfg.problems())
-    p = {"bf16": 2, "fp16": 2, "fp32": 4}[a.precision]
-    g = 4 if a.precision == "fp32" or (a.precision == "bf16" and cfg.distributed.grad_dtype == "fp32") else 2
+    precision = "bf16" if fp8 else a.precision  # what DeepSpeed runs (fp8: bf16, float8 matmuls in the model)
+    p = {"bf16": 2, "fp16": 2, "fp32": 4}[precision]
+    g = 4 if precision == "fp32" or (precision == "bf16" and cfg.distributed.grad_dtype == "fp32") else 2
     n_total, n_non_emb = num_params(args), num_params(args, non_embedding=True)
     fpt = flops_per_token(args, cfg.data.seq_len)
     stage, t, d = cfg.distributed.zero_stage, cfg.train, cfg.distributed
@@ -122,6 +143,9 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
     muon = cfg.optimizer.name == "muon"
     bucket = d.reduce_bucket_size or args.dim**2
     flops_s = a.peak_tflops * 1e12 * a.mfu  # FLOP/s assumed, Newton-Schulz's matmuls too
+    # fp8: the converted linears' FLOPs per token (forward 2, backward 4 per weight) run `speedup` faster
+    fp8_flops = 6 * sum(float8_block_params(args, i) for i in range(args.n_layers)) if fp8 else 0
+    speedup = (a.fp8_speedup or FP8_SPEEDUP[cfg.train.fp8_recipe]) if fp8 else 1.0
 
     def at(world: int, sp: int = d.sequence_parallel, tp: int = d.tensor_parallel, hpz: bool = d.hpz,
            ep: int = d.expert_parallel) -> dict:
@@ -134,23 +158,25 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         # what it holds over the ranks that hold the same slice (a sequence-parallel group's too).
         local, zero_world = tensor_parallel_params(args, n_total, tp), world // tp
         opt = muon_step(args, stage, world, bucket, g, cfg.optimizer.muon_ns_method, ep) if muon else None
-        states = model_state_bytes(local, stage, zero_world, a.precision, d.grad_dtype, largest_layer_params(args, tp),
+        states = model_state_bytes(local, stage, zero_world, precision, d.grad_dtype, largest_layer_params(args, tp),
                                    opt["params"] if muon else 0)
         if hpz:  # the secondary partition: the 16-bit weights over the node's GPUs
             states["hpz_secondary"] = p * local / min(a.gpus_per_node, zero_world)
         acts = activation_bytes(args, micro_tokens, p, t.activation_checkpointing, t.loss_chunk_tokens, sp,
                                 t.mlp_chunk_tokens, tp)
-        buffers = allreduce_copy_bytes(local, stage, a.precision, d.grad_dtype)
+        buffers = allreduce_copy_bytes(local, stage, precision, d.grad_dtype)
         if stage > 0:
             buffers += (d.reduce_bucket_size or args.dim**2) * 4 + (
                 (d.prefetch_bucket_size or int(0.9 * args.dim**2)) * p if stage == 3 else 0)
         memory = {**states, "activations": acts["saved"] + acts["peak_extra"], "buffers": buffers}
+        if fp8:
+            memory["fp8_saved_weights"] = float8_saved_weight_bytes(args, p, t.activation_checkpointing, stage)
         if muon:
             memory["optimizer_step"] = opt["transient"]
         # The embedding and the head are whole on every rank of a tensor-parallel group, so each
         # computes the head's matmuls (6 V D per token) for the group's tokens.
         head_again = (tp - 1) * 6 * args.vocab_size * args.dim
-        compute_s = (fpt + head_again) * tokens_per_step / (world * flops_s)
+        compute_s = (fpt + head_again - fp8_flops * (1 - 1 / speedup)) * tokens_per_step / (world * flops_s)
         # ZeRO's groups are the ranks holding one tensor-parallel slice: a node holds
         # gpus_per_node / tp of each.
         intra, inter = _zero_traffic(cfg, args, local, zero_world, k, p, g, max(a.gpus_per_node // tp, 1), hpz, tp, ep)
@@ -249,6 +275,7 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         "sequence_parallel_table": by_sp, "sequence_parallel_needed": needed,
         "sequence_parallel_max": args.n_heads,
         "parallel_options": options, "not_listed": not_listed, "recommended": recommended and recommended["option"],
+        "fp8": {"recipe": cfg.train.fp8_recipe, "speedup": speedup, "matmul_share": fp8_flops / fpt} if fp8 else None,
     }
     if refused:
         return {**out, "refused": refused}
@@ -360,6 +387,14 @@ def _muon_line(e: dict) -> str:
                "parameters that fit a reduce bucket" if e["zero_stage"] == 3 else ""))
 
 
+def _fp8_line(e: dict) -> str:
+    f = e["fp8"]
+    saved = e["memory_parts_gib"].get("fp8_saved_weights", 0.0)
+    return (f"fp8 ({f['recipe']}): the blocks' linears, {f['matmul_share']:.0%} of the FLOPs, at {f['speedup']:g}x "
+            f"bf16's speed (assumed: --fp8-speedup); MFU is of bf16's peak"
+            + (f"; {saved:.2f} GiB of gathered weights kept for backward (ZeRO-3)" if saved else ""))
+
+
 def report(e: dict) -> str:
     a = e["assumptions"]
     muon = e["optimizer"] == "muon"
@@ -389,6 +424,7 @@ def report(e: dict) -> str:
         _sp_line(e),
         f"time at {a['mfu']:.0%} MFU of {a['peak_tflops']:g} TFLOPS: {e['step_s']:.3g} s per step, "
         f"{e['total_h']:.3g} h for {e['steps']:,} steps",
+        *([_fp8_line(e)] if e["fp8"] else []),
         _comm_line(e),
         *([e["comm_hint"]] if e["comm_hint"] else []),
         *([_a2a_line(e)] if sp > 1 else []),

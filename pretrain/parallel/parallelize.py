@@ -16,13 +16,40 @@ from pretrain.parallel import distributed, ulysses
 
 
 def resolve_precision(cfg: Config, device: torch.device) -> str:
-    if cfg.train.precision == "fp16" and device.type != "cuda":
-        from pretrain.errors import ConfigError
+    """The precision DeepSpeed runs: train.precision, auto resolved for the device, fp8 as bf16 (its
+    float8 matmuls are the model's: pretrain/model/float8.py), checked against the device."""
+    from pretrain.errors import ConfigError
 
+    if cfg.train.precision == "fp16" and device.type != "cuda":
         raise ConfigError("train.precision=fp16 needs CUDA GPUs (DeepSpeed has no fp16 on CPU): use bf16 or fp32")
+    if cfg.train.precision == "fp8":
+        fp8_check(cfg, device)
+        return "bf16"
     if cfg.train.precision != "auto":
         return cfg.train.precision
     return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+
+
+def fp8_check(cfg: Config, device: torch.device) -> None:
+    """train.precision=fp8 needs torchao, and float8 GEMMs (compute capability 8.9: Ada, Hopper,
+    Blackwell) unless emulated."""
+    from pretrain.errors import ConfigError
+    from pretrain.model.float8 import import_torchao
+
+    try:
+        import_torchao()
+    except ImportError:
+        raise ConfigError("train.precision=fp8 needs torchao: pip install -e '.[fp8]'") from None
+    if cfg.train.fp8_emulate:
+        return
+    if device.type != "cuda":
+        raise ConfigError(f"train.precision=fp8 needs CUDA GPUs with float8 matmuls (compute capability >= 8.9), "
+                          f"not {device.type}: set train.fp8_emulate=true to run its arithmetic emulated (slow)")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ConfigError(f"train.precision=fp8 needs float8 matmuls (compute capability >= 8.9: H100, H200, L40S, "
+                          f"B200), and {torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: "
+                          "use precision=bf16")
 
 
 def trainer_clips(cfg: Config, precision: str) -> bool:
