@@ -7,6 +7,7 @@ compile, and the combinations refused."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -364,6 +365,21 @@ def test_an_fp8_checkpoint_resumes_in_fp32_and_evaluates(fp8_run, tmp_path):
     pretrain(["eval", str(fp8_run), "--batches", "1", "--json", str(out)])  # (the in-loop eval's one batch)
     [final] = [r["eval/loss"] for r in read_metrics(fp8_run) if "eval/loss" in r]
     assert json.loads(out.read_text())["loss"] == pytest.approx(final, abs=0.02)
+
+
+@pytest.mark.slow
+def test_fp8_compiled_on_the_users_path_trains_as_eager(fp8_run, tmp_path):
+    """train.compile with fp8 (2 ranks, ZeRO-3, activation checkpointing): eager fp8's losses within
+    1e-3 (measured: equal to every printed digit), and graphs were compiled."""
+    run = tmp_path / "run"
+    proc = run_train([*USER_PATH, *FP8, "train.compile=true", "train.max_steps=3", "checkpoint.every=0",
+                      f"train.run_dir={run}"], nproc=2)
+    compiled, eager = losses(run), losses(fp8_run)
+    assert sorted(compiled) == [1, 2, 3]
+    for step in compiled:
+        assert compiled[step] == pytest.approx(eager[step], abs=1e-3), (step, compiled, eager)
+    graphs = re.search(r"train.compile: the first step \(compiling\) took .* s: (\d+) graphs compiled", proc.stdout)
+    assert graphs and int(graphs.group(1)) >= 1, proc.stdout[-2000:]
 
 
 @pytest.mark.slow
