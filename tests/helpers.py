@@ -100,10 +100,12 @@ def left_running(args: list[str], out) -> "Forked | subprocess.Popen":
 
 
 def crashed(proc: subprocess.CompletedProcess) -> bool:
-    """A process (or, under torchrun, one of its ranks) ended by a segmentation fault or bus error."""
+    """A process (or, under torchrun, one of its ranks) ended by a segmentation fault or bus error,
+    or aborted by CPython finding a C extension's refcount error (seen once in a full run, in
+    inductor's pattern matcher while compiling: "bool_dealloc: deallocating True or False")."""
     return proc.returncode in (-signal.SIGSEGV, -signal.SIGBUS) or any(
         mark in proc.stderr for mark in ("(SIGSEGV)", "(SIGBUS)", "Fatal Python error: Segmentation fault",
-                                         "Fatal Python error: Bus error"))
+                                         "Fatal Python error: Bus error", "refcount error in a C extension"))
 
 
 def fatal_error(stderr: str) -> str:

@@ -451,7 +451,7 @@ MUTANTS = [
     mutant("precision-change-not-universal", "pretrain/checkpoint/manager.py",
            "            universal = True  # (stages 1-3", "            universal = universal  # (stages 1-3",
            "a resume at another precision (bf16 <-> fp32, ZeRO 1-3) looks for optimizer files named for its own",
-           "tests/test_fp8.py::test_an_fp8_checkpoint_resumes_in_fp32_and_evaluates"),
+           "tests/test_fp8.py::test_an_fp8_checkpoint_resumes_in_bf16_and_fp32[fp32]"),
 ]
 
 

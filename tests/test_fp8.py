@@ -74,8 +74,8 @@ def test_an_moe_keeps_its_router_and_routed_experts_and_odd_shapes_stay():
     n = convert(model, "rowwise", emulate=True)
     # block 0: 4 attention + 3 dense FFN; block 1: 4 attention + 3 shared-expert linears
     assert n == 14
-    assert sorted(kept_in_bf16(model)) == ["output head (1 layer)", "routed experts (grouped matmuls) (1 layer)",
-                                          "router (1 layer)"]
+    assert kept_in_bf16(model) == ["output head (1 layer)", "routed experts (grouped matmuls) (1 layer)",
+                                  "router (1 layer)"]
     odd = _tiny(ffn_hidden_dim=40)  # 40 % 16 != 0: w1, w2, w3 of both blocks stay
     assert convert(odd, "tensorwise", emulate=True) == 2 * 4
     assert f"dimensions not multiples of {ALIGN} (6 layers)" in kept_in_bf16(odd)
@@ -350,21 +350,33 @@ def test_fp8_resumes_bitwise_with_its_float8_layers(fp8_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_an_fp8_checkpoint_resumes_in_fp32_and_evaluates(fp8_run, tmp_path):
-    """The checkpoint is bf16's (bf16 weights, fp32 master weights and moments): it resumes in fp32
-    (DeepSpeed names a bf16 run's optimizer files apart: through the universal conversion; before,
-    the fp32 engine looked for files that are not there) close to the fp8 run, and `pretrain eval`
-    reads it as any checkpoint."""
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_an_fp8_checkpoint_resumes_in_bf16_and_fp32(fp8_run, tmp_path, precision):
+    """The checkpoint is bf16's (bf16 weights, fp32 master weights and moments): it resumes in bf16,
+    and in fp32 (DeepSpeed names a bf16 run's optimizer shards apart: through the universal
+    conversion; before, the fp32 engine looked for files that are not there), close to the fp8 run."""
     run = tmp_path / "run"
-    run_train([*USER_PATH, "train.precision=fp32", f"train.run_dir={run}",
+    run_train([*USER_PATH, f"train.precision={precision}", f"train.run_dir={run}",
                f"checkpoint.resume={fp8_run / 'checkpoints' / 'step_00000003'}"], nproc=2)
-    fp32, fp8 = losses(run), losses(fp8_run)
-    assert sorted(fp32) == [4, 5, 6]
-    assert all(abs(fp32[s] - fp8[s]) < 0.01 for s in fp32), (fp32, fp8)
-    out = tmp_path / "eval.json"
-    pretrain(["eval", str(fp8_run), "--batches", "1", "--json", str(out)])  # (the in-loop eval's one batch)
+    resumed, fp8 = losses(run), losses(fp8_run)
+    assert sorted(resumed) == [4, 5, 6]
+    assert all(abs(resumed[s] - fp8[s]) < 0.01 for s in resumed), (resumed, fp8)
+
+
+@pytest.mark.slow
+def test_an_fp8_checkpoint_evaluates_and_exports_as_any(fp8_run, tmp_path):
+    """`pretrain eval` of the fp8 run's final checkpoint (the whole model, fp32, no float8) is the
+    in-loop eval's loss within float8's effect on it, and its Hugging Face export scores the same."""
     [final] = [r["eval/loss"] for r in read_metrics(fp8_run) if "eval/loss" in r]
-    assert json.loads(out.read_text())["loss"] == pytest.approx(final, abs=0.02)
+    scores = {}
+    pretrain(["export", str(fp8_run / "checkpoints"), str(tmp_path / "hf")])
+    for name, model in {"checkpoint": fp8_run, "export": tmp_path / "hf"}.items():
+        out = tmp_path / f"{name}.json"
+        # (the in-loop eval's one batch; the export carries no run config: the run's is given)
+        pretrain(["eval", str(model), str(fp8_run / "config.yaml"), "--batches", "1", "--json", str(out)])
+        scores[name] = json.loads(out.read_text())["loss"]
+    assert scores["checkpoint"] == pytest.approx(final, abs=0.02)
+    assert scores["export"] == pytest.approx(scores["checkpoint"], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -380,6 +392,23 @@ def test_fp8_compiled_on_the_users_path_trains_as_eager(fp8_run, tmp_path):
         assert compiled[step] == pytest.approx(eager[step], abs=1e-3), (step, compiled, eager)
     graphs = re.search(r"train.compile: the first step \(compiling\) took .* s: (\d+) graphs compiled", proc.stdout)
     assert graphs and int(graphs.group(1)) >= 1, proc.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_fp8_trains_an_moe_under_expert_parallelism(tmp_path):
+    """An MoE (shared expert, a dense first block) with its experts over both ranks (ZeRO-3): the
+    attention, the dense block and the shared expert compute in float8, the routers and routed
+    experts stay in bf16, and it trains."""
+    run = tmp_path / "run"
+    proc = run_train([*USER_PATH, *FP8, "model.n_layers=3", "model.moe_experts=4", "model.moe_top_k=2",
+                      "model.moe_hidden_dim=64", "model.moe_shared_experts=1", "model.moe_dense_layers=1",
+                      "distributed.expert_parallel=2", "train.max_steps=3", "checkpoint.every=0",
+                      f"train.run_dir={run}"], nproc=2)
+    # 3 x 4 attention + 3 dense + 2 x 3 shared-expert linears
+    assert ("21 linear layers compute in float8; kept in bf16: output head (1 layer), routed experts (grouped "
+            "matmuls) (2 layers), router (2 layers)") in proc.stdout + proc.stderr
+    a = losses(run)
+    assert sorted(a) == [1, 2, 3] and a[3] < a[1], a
 
 
 @pytest.mark.slow
