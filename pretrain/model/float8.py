@@ -70,7 +70,7 @@ def kept_in_bf16(model: nn.Module) -> list[str]:
             kind = f"dimensions not multiples of {ALIGN}"
         if kind:
             kinds[kind] = kinds.get(kind, 0) + 1
-    return [f"{k} ({n} layer{'s' * (n > 1)})" for k, n in kinds.items()]
+    return [f"{k} ({n} layer{'s' * (n > 1)})" for k, n in sorted(kinds.items())]
 
 
 def convert(model: nn.Module, recipe: str, emulate: bool) -> int:
