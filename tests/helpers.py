@@ -20,6 +20,18 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 TINY = REPO / "configs" / "tiny.yaml"
 
+# The path users run on GPUs, emulated on CPU (tests/test_user_path.py, tests/test_fp8.py): the
+# tiny shape at 1,024 tokens, 4 sequences per step, activation checkpointing on every block,
+# checkpoints at steps 3 and 6 of 6; precision and ZeRO stage are each test's.
+USER_PATH = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=1024",
+             "data.seq_len=1024", "train.micro_batch_size=1", "train.global_batch_size=4", "train.activation_checkpointing=1",
+             "distributed.param_persistence_threshold=0", "logging.log_every=1", "logging.wandb=disabled",
+             "schedule.warmup_steps=2", "schedule.decay_steps=10", "train.eval_batches=1", "train.eval_every=0",
+             "checkpoint.every=3", "checkpoint.keep_last=5", "train.max_steps=6", "data.num_streams=2",
+             # (a 512-token vocabulary: bf16 matmuls on a CPU without bf16 instructions are ~50x fp32's, and
+             # the output head's are most of them at 4,096)
+             "data.tokenizer=builtin:python-bpe-512"]
+
 
 def shared_file(name: str) -> Path:
     path = SHARED_DATA / name

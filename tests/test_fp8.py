@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+import helpers
 from helpers import REPO, free_port, losses, pretrain, read_metrics, run_train, train_env
 from pretrain.config import load_config
 from pretrain.errors import ConfigError
@@ -31,12 +32,7 @@ from pretrain.model.model import Transformer
 E4M3, E5M2 = 2 ** -4 / 3 ** 0.5, 2 ** -3 / 3 ** 0.5
 MATMUL = {"tensorwise": (E5M2 ** 2 + E4M3 ** 2) ** 0.5, "rowwise": (2 * E4M3 ** 2) ** 0.5}  # 0.081, 0.051
 
-USER_PATH = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=1024",
-             "data.seq_len=1024", "train.micro_batch_size=1", "train.global_batch_size=4",
-             "train.activation_checkpointing=1", "distributed.param_persistence_threshold=0", "logging.log_every=1",
-             "logging.wandb=disabled", "schedule.warmup_steps=2", "schedule.decay_steps=10", "train.eval_batches=1",
-             "train.eval_every=0", "checkpoint.every=3", "checkpoint.keep_last=5", "train.max_steps=6",
-             "data.num_streams=2", "data.tokenizer=builtin:python-bpe-512", "distributed.zero_stage=3"]
+USER_PATH = [*helpers.USER_PATH, "distributed.zero_stage=3"]  # (2 ranks: each test says nproc=2)
 FP8 = ["train.precision=fp8", "train.fp8_emulate=true"]
 
 

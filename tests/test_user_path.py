@@ -9,18 +9,11 @@ import shutil
 
 import pytest
 
-from helpers import losses, pretrain, read_metrics, run_train
+from helpers import USER_PATH, losses, pretrain, read_metrics, run_train
 
 pytestmark = pytest.mark.slow
 
-PATH = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=1024",
-        "data.seq_len=1024", "train.micro_batch_size=1", "train.global_batch_size=4", "train.activation_checkpointing=1",
-        "distributed.param_persistence_threshold=0", "logging.log_every=1", "logging.wandb=disabled",
-        "schedule.warmup_steps=2", "schedule.decay_steps=10", "train.eval_batches=1", "train.eval_every=0",
-        "checkpoint.every=3", "checkpoint.keep_last=5", "train.max_steps=6", "data.num_streams=2",
-        # (a 512-token vocabulary: bf16 matmuls on a CPU without bf16 instructions are ~50x fp32's, and
-        # the output head's are most of them at 4,096)
-        "data.tokenizer=builtin:python-bpe-512"]
+PATH = USER_PATH
 SETUPS = {"bf16-z3": ["train.precision=bf16", "distributed.zero_stage=3"],
           "fp32-z3": ["train.precision=fp32", "distributed.zero_stage=3"],
           "bf16-z0": ["train.precision=bf16", "distributed.zero_stage=0"],

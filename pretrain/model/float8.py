@@ -63,9 +63,10 @@ def kept_in_bf16(model: nn.Module) -> list[str]:
     from pretrain.model.model import LMHead
     from pretrain.model.moe import Experts, Router
 
+    named = {LMHead: "output head", Router: "router", Experts: "routed experts (grouped matmuls)"}
     kinds: dict[str, int] = {}
     for m in model.modules():
-        kind = {LMHead: "output head", Router: "router", Experts: "routed experts (grouped matmuls)"}.get(type(m))
+        kind = named.get(type(m))
         if kind is None and type(m) is nn.Linear and not eligible(m):
             kind = f"dimensions not multiples of {ALIGN}"
         if kind:
