@@ -172,6 +172,17 @@ def test_fp8_needs_a_float8_gpu_unless_emulated():
     assert resolve_precision(emulated, torch.device("cpu")) == "bf16"
 
 
+def test_fp8_without_torchao_is_one_line(monkeypatch):
+    """A user without the fp8 extra: one line naming the install, not an ImportError's traceback."""
+    from pretrain.parallel.parallelize import resolve_precision
+
+    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torchao", None)  # (import torchao raises ImportError)
+    with pytest.raises(ConfigError, match=r"needs torchao: pip install -e '\.\[fp8\]'"):
+        resolve_precision(load_config(REPO / "configs" / "tiny.yaml", FP8), torch.device("cpu"))
+
+
 # ------------------------------------------------------------------ the numerics on the user's path
 
 NUMERICS = r"""
