@@ -123,7 +123,7 @@ class DistributedConfig:
     timeout_s: float = 1800.0  # a collective (NCCL, gloo) waiting this long for a peer fails the run
     sequence_parallel: int = 1  # Ulysses: each sequence split over this many ranks (divides the world, n_heads and seq_len; docs/long_context.md)
     tensor_parallel: int = 1  # AutoTP: each block's matrices split over this many consecutive ranks (one node's GPUs), which read the same batch (divides the world, n_heads, n_kv_heads and the FFN width; docs/performance.md)
-    expert_parallel: int = 1  # Mixture-of-Experts: each rank holds model.moe_experts / this many experts, the tokens travel to them by all-to-all among this many consecutive ranks (ZeRO-3; divides the world and moe_experts; docs/moe.md)
+    expert_parallel: int = 1  # Mixture-of-Experts: each rank holds model.moe_experts / this many experts, the tokens travel to them by all-to-all among this many consecutive ranks (ZeRO 1-3; divides the world and moe_experts; docs/moe.md)
     hpz: bool = False  # ZeRO++ hierarchical partitioning (ZeRO-3, more than one node): a second copy of the 16-bit weights sharded within each node, so the forward and backward gathers never leave it (docs/performance.md)
 
 
@@ -413,12 +413,17 @@ def moe_problems(cfg: "Config") -> list[str]:
         elif experts % ep:
             out.append(f"distributed.expert_parallel={ep} does not divide model.moe_experts={experts}: each rank "
                        f"holds moe_experts / expert_parallel experts (use one of {_divisor_hint(experts)})")
-        if d.zero_stage != 3:
-            # (DeepSpeed's ZeRO-1/2 reduce a parameter's gradients over its expert group only for its
-            # own MoE layer classes, found by type in the engine; ZeRO-3 reads it from the parameter.)
-            out.append(f"distributed.expert_parallel={ep} with distributed.zero_stage={d.zero_stage}: expert "
-                       "parallelism runs at ZeRO-3 (at stages 0-2 DeepSpeed would average different experts' "
-                       "gradients together); use zero_stage=3 or expert_parallel=1")
+        if d.zero_stage == 0:
+            # (stage 0 saves the model and its optimizer from rank 0 alone: the other ranks' experts
+            # would not be in the checkpoint)
+            out.append(f"distributed.expert_parallel={ep} with distributed.zero_stage=0: each rank holds its own "
+                       "experts and stage 0 checkpoints rank 0's model only; use zero_stage=1, 2 or 3")
+        elif d.zero_stage < 3 and cfg.optimizer.name == "muon":
+            # (DeepSpeed's ZeRO-1/2 reduce the experts' gradients over their own ranks only with
+            # reduce_scatter, which its Muon turns off: stage_1_and_2.py _configure_moe_settings)
+            out.append(f"distributed.expert_parallel={ep} with optimizer.name=muon at distributed.zero_stage="
+                       f"{d.zero_stage}: DeepSpeed's ZeRO-1/2 reduce the experts' gradients apart only with "
+                       "reduce_scatter, which Muon turns off; use zero_stage=3 or adamw")
         if d.hpz:
             out.append(f"distributed.expert_parallel={ep} with distributed.hpz=true: hpZ's secondary partition "
                        "spans each node's ranks, the experts' partition their expert-data-parallel ranks; use one")

@@ -764,6 +764,29 @@ def test_muon_step_all_to_all_within_a_node_at_the_in_node_bandwidth():
         assert f"s at {gbps:g} Gbit/s; " in report(e)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_expert_parallelism_at_zero_1_and_2_holds_a_gpus_experts_whole_and_their_states_sharded(stage):
+    """Mixtral 8x7B on 64 GPUs in bf16 at ZeRO-1/2: with expert parallelism 8 a GPU holds the dense
+    weights and its 1/8 of the experts whole (16-bit), not all of them, while the optimizer state
+    stays sharded 1/64 either way (an expert's over the 8 GPUs that hold it); the option is listed
+    under the config's stage."""
+    from pretrain.estimate.comm import expert_params
+    from pretrain.estimate.memory import GIB
+
+    over = ["model.vocab_size=32000", f"distributed.zero_stage={stage}", "distributed.grad_dtype=bf16"]
+    est = {ep: estimate(cfg, cfg.model, Assumptions(gpus=64)) for ep in (1, 8)
+           for cfg in [load_config(REPO / "configs" / "mixtral_8x7b.yaml", over + [f"distributed.expert_parallel={ep}"])]}
+    args = load_config(REPO / "configs" / "mixtral_8x7b.yaml", over).model
+    n, experts = num_params(args), expert_params(args)
+    parts = {ep: est[ep]["memory_parts_gib"] for ep in (1, 8)}
+    assert parts[1]["weights"] * GIB == pytest.approx(2 * n)
+    assert parts[8]["weights"] * GIB == pytest.approx(2 * (n - experts + experts / 8))
+    assert parts[8]["optimizer"] == pytest.approx(parts[1]["optimizer"]) == pytest.approx(12 * n / 64 / GIB)
+    rows = {r["option"] for r in est[1]["parallel_options"]}
+    assert f"EP 8 + ZeRO-{stage}" in rows
+    assert "each holds 1/8 of the experts whole, their optimizer state split over the 8 GPUs" in report(est[8])
+
+
 def test_mixtral_8x7b_config_counts_every_expert_and_prices_the_active_ones():
     """configs/mixtral_8x7b.yaml: Mixtral 8x7B's published counts (46.7B parameters, 12.9B active
     with its 32k vocabulary); FLOPs per token and the compute time follow the active ones, memory and

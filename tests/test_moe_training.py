@@ -69,6 +69,24 @@ def test_moe_resumes_bitwise_with_its_bias(user_path, tmp_path):
 
 
 @pytest.mark.slow
+def test_expert_parallelism_on_the_users_path_at_zero_1(tmp_path):
+    """The user's path at ZeRO-1 (bf16 with fp32 gradients: DeepSpeed's bf16 optimizer, activation
+    checkpointing, 1,024 tokens, WSD-S) with expert_parallel=2 over the 2 ranks: it trains, resumes
+    from step 3 bitwise (the decay branch included), and `pretrain eval` scores its checkpoint."""
+    path = PATH + ["distributed.zero_stage=1"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_train(path + [f"train.run_dir={straight}"], nproc=2)
+    shutil.copytree(straight / "checkpoints" / "step_00000003", resumed / "checkpoints" / "step_00000003")
+    run_train(path + ["checkpoint.resume=auto", f"train.run_dir={resumed}"], nproc=2)
+    got, want = losses(resumed), losses(straight)
+    assert sorted(got) == [4, 5, 6] and all(got[s] == want[s] for s in got), (got, want)
+    assert want[6] < want[1]
+    out = tmp_path / "eval.json"
+    pretrain(["eval", str(straight), "--batches", "1", "--micro-batch-size", "1", "--json", str(out)])
+    assert 0 < json.loads(out.read_text())["loss"] < torch.log(torch.tensor(512.0)).item()
+
+
+@pytest.mark.slow
 def test_pretrain_eval_scores_the_moe_checkpoint(user_path, tmp_path):
     out = tmp_path / "eval.json"
     pretrain(["eval", str(user_path), "--batches", "1", "--micro-batch-size", "1", "--json", str(out)])
@@ -195,9 +213,56 @@ def test_expert_parallelism_trains_as_every_rank_holding_every_expert(tmp_path):
     assert text.strip().startswith("def") and len(text.strip()) > 3, text
 
 
+@pytest.mark.slow
+def test_expert_parallelism_at_zero_1_and_2_trains_as_every_rank_holding_every_expert(tmp_path):
+    """4 ranks, fp32: at ZeRO-1, expert_parallel=2 repeats expert_parallel=1 (losses and gradient
+    norms within 1e-6), and so do ZeRO-2 at 4 (one expert per rank; DeepSpeed's optimizer state on
+    the host) and ZeRO-2 at 2 with sequence parallelism 2: each rank's experts in optimizer groups
+    of their own, partitioned and reduced over the ranks that hold them. Each rank's checkpoint holds
+    its own experts (no other rank's): the whole model read back equals the reference's; the
+    checkpoint resumes bitwise at its own layout (each rank's weights from its own shard, not from
+    rank 0's model states), at expert_parallel=4 and on one rank."""
+    from pretrain.checkpoint.reshard import fp32_weights
+
+    runs = {"ep1": ["distributed.zero_stage=1"], "ep2": ["distributed.zero_stage=1", "distributed.expert_parallel=2"],
+            "ep4": ["distributed.zero_stage=2", "distributed.expert_parallel=4", "distributed.offload_optimizer=true"],
+            "ep2sp2": ["distributed.zero_stage=2", "distributed.expert_parallel=2", "distributed.sequence_parallel=2",
+                       "train.micro_batch_size=4"]}
+    common = [a for a in EP if not a.startswith("distributed.zero_stage")]
+    for name, extra in runs.items():
+        run_train(common + ["train.micro_batch_size=2", *extra, f"train.run_dir={tmp_path / name}"], nproc=4)
+    ckpt = tmp_path / "ep2" / "checkpoints" / "step_00000002"
+    for where, nproc, extra in (("same", 4, runs["ep2"]),
+                                ("to_ep4", 4, ["distributed.zero_stage=1", "distributed.expert_parallel=4"]),
+                                ("to_one", 1, ["distributed.zero_stage=1", "train.micro_batch_size=8"])):
+        shutil.copytree(ckpt, tmp_path / where / "checkpoints" / ckpt.name)
+        run_train(common + ["train.micro_batch_size=2", *extra, "checkpoint.resume=auto",
+                            f"train.run_dir={tmp_path / where}"], nproc=nproc)
+    want, ep2 = _metrics(tmp_path / "ep1"), _metrics(tmp_path / "ep2")
+    assert sorted(want) == [1, 2, 3, 4]
+    assert _metrics(tmp_path / "same") == {3: ep2[3], 4: ep2[4]}
+    for name in ["ep2", "ep4", "ep2sp2", "to_ep4", "to_one"]:
+        got = _metrics(tmp_path / name)
+        assert sorted(got) == ([3, 4] if name.startswith("to_") else [1, 2, 3, 4]), name
+        for step in got:
+            assert got[step] == pytest.approx(want[step], rel=1e-6), (name, step, want, got)
+    shapes = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["param_shapes"]
+    assert any(group.get("layers.1.feed_forward.experts.w1") == torch.Size([2, 64, 128]) for group in shapes)
+    for rank in range(4):
+        shard = torch.load(ckpt / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", map_location="cpu",
+                           weights_only=False)["optimizer_state_dict"]
+        groups = shard["base_optimizer_state"]["param_groups"]
+        assert [g.get("name") for g in groups if g.get("moe")] == ["ep_size_2"], groups
+    whole, reference = fp32_weights(ckpt), fp32_weights(tmp_path / "ep1" / "checkpoints" / ckpt.name)
+    assert whole.keys() == reference.keys() and whole["layers.1.feed_forward.experts.w1"].shape == (4, 64, 128)
+    for name in whole:
+        torch.testing.assert_close(whole[name], reference[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("change, named", [
     ("distributed.expert_parallel=3", "distributed.expert_parallel=3 does not divide model.moe_experts=4"),
-    ("distributed.zero_stage=2 distributed.expert_parallel=2", "expert parallelism runs at ZeRO-3"),
+    ("distributed.zero_stage=0 distributed.expert_parallel=2", "stage 0 checkpoints rank 0's model only"),
+    ("optimizer.name=muon distributed.zero_stage=2 distributed.expert_parallel=2", "reduce_scatter, which Muon turns off"),
     ("distributed.hpz=true distributed.expert_parallel=2", "with distributed.hpz=true: hpZ's secondary partition"),
     ("optimizer.name=muon train.precision=bf16 distributed.zero_stage=1", "runs Muon on 2-D matrices only"),
     ("train.mlp_chunk_tokens=64", "with train.mlp_chunk_tokens"),

@@ -36,7 +36,7 @@ from pretrain.checkpoint.layout import (FORMAT, FUNCTION_FIELDS, SHAPE_FIELDS, c
 from pretrain.checkpoint.reshard import partitioned
 from pretrain.checkpoint.rundir import RunDir, fsync_dir, new_run_id, write_atomic
 from pretrain.errors import CheckpointError, RunDirError, collective
-from pretrain.parallel import distributed
+from pretrain.parallel import distributed, expert_parallel
 
 log = logging.getLogger(__name__)
 
@@ -330,13 +330,18 @@ class CheckpointManager:
         # at each load): after a resume at another world size, a decay branch or a rollback goes
         # back to a checkpoint of this world size, or to one of the old size.
         engine._config.load_universal_checkpoint = universal
-        if universal:
-            reshard.load_universal(engine, self._universal_dir(ckpt))
-        else:
-            path, _ = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name, load_optimizer_states=True,
-                                             load_lr_scheduler_states=False)
-            if path is None:
-                raise CheckpointError(f"DeepSpeed could not load {ckpt}")
+        folder = self._universal_dir(ckpt) if universal else None
+        with expert_parallel.dense_checkpoints(engine):
+            if universal:
+                reshard.load_universal(engine, folder)
+            else:
+                path, _ = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name, load_optimizer_states=True,
+                                                 load_lr_scheduler_states=False)
+                if path is None:
+                    raise CheckpointError(f"DeepSpeed could not load {ckpt}")
+        if not universal:
+            if expert_parallel.marked(engine.module):  # (the model states file holds rank 0's experts)
+                expert_parallel.from_master_weights(engine)
             return
         # Two flaws of DeepSpeed's ZeRO-3 universal loader with several param groups: it copies
         # the first group's hyperparameters into every group (weight decay on norms and
@@ -407,7 +412,8 @@ class CheckpointManager:
             except OSError as e:
                 errors.append((str(partial), e))
         if not any(distributed.all_gather_objects(bool(errors))):
-            self.engine.save_checkpoint(str(self.root), tag=partial.name, save_latest=False)
+            with expert_parallel.dense_checkpoints(self.engine):
+                self.engine.save_checkpoint(str(self.root), tag=partial.name, save_latest=False)
         shards, recorded = self._writer.take()
         states = {name: obj.state_dict() for name, obj in self.states.items()}  # collective gathers
         own = self._own_files(step, states) if self.env.is_main else {}

@@ -128,7 +128,13 @@ def read_shards(ckpt: Path, tp_rank: int = 0, keys: tuple[str, ...] | None = Non
         layout = "zero12" if "zero_stage" in first else "bf16"
         for g, group in enumerate(shapes):
             pieces: dict[str, dict[str, list]] = {name: {} for name in group}
-            for s in shards:
+            # Under expert parallelism a group of experts ("moe": pretrain/optim/optimizer.py
+            # expert_groups) is partitioned over the ranks that hold the same experts, every ep-th
+            # one: its partitions in the order of the experts they hold, each rank's (E/ep, ...) stacked.
+            ep = _expert_parallel_size(first["base_optimizer_state"]["param_groups"][g])
+            if ep > 1:
+                group = {name: (shape[0] * ep, *shape[1:]) for name, shape in group.items()}
+            for s in (shards[r] for r in sorted(range(n), key=lambda r: (r % ep, r // ep))):
                 fp32 = s["single_partition_of_fp32_groups"][g]
                 state = s["base_optimizer_state"]["state"].get(g, {})
                 mapping = s["param_slice_mappings"][g]  # name -> fragment (start in the partition, numel)
@@ -164,6 +170,12 @@ def read_shards(ckpt: Path, tp_rank: int = 0, keys: tuple[str, ...] | None = Non
                         entry[key] = torch.cat(parts).view(shape).clone()
     inner = first["optimizer_state_dict" if layout == "zero3" else "base_optimizer_state"]
     return out, {"layout": layout, "param_groups": inner["param_groups"], "shard": first, "ranks": n}
+
+
+def _expert_parallel_size(group: dict) -> int:
+    """The expert-parallel size of an optimizer group of experts at ZeRO-1/2 (DeepSpeed's "moe"
+    groups, named by their expert-parallel group: ep_size_N), else 1."""
+    return int(group["name"].rsplit("_", 1)[1]) if group.get("moe") else 1
 
 
 def _join(name: str, slices: list[torch.Tensor]) -> torch.Tensor:

@@ -70,11 +70,16 @@ def _zero_traffic(cfg: Config, args: ModelArgs, local: int, world: int, k: int, 
     """ZeRO's (within a node, across nodes) bytes per GPU per step; under expert parallelism the
     routed experts' apart: a rank's E/ep of them over the world/ep ranks that hold the same ones
     (its expert-data-parallel group: every ep-th rank, node/ep of them on a node)."""
-    z = _zero3_gathers(cfg, args, tp, ep)
+    z, stage = _zero3_gathers(cfg, args, tp, ep), cfg.distributed.zero_stage
     if ep == 1:
-        return zero_traffic(local, cfg.distributed.zero_stage, world, k, p, g, node, hpz, **z)
+        return zero_traffic(local, stage, world, k, p, g, node, hpz, **z)
+    experts = expert_params(args)
+    if stage < 3:  # (ZeRO-1/2: the experts' gradients reduced, their weights gathered, over their group)
+        intra, inter = zero_traffic(local - experts, stage, world, k, p, g, node, hpz)
+        e_intra, e_inter = zero_traffic(experts // ep, stage, world // ep, k, p, g, max(node // ep, 1), False)
+        return intra + e_intra, inter + e_inter
     threshold, reuse = zero_sizes(cfg)["param_persistence_threshold"], cfg.distributed.max_reuse_distance
-    experts, gathered = expert_params(args), zero3_expert_gathers(args, threshold, reuse, ep)
+    gathered = zero3_expert_gathers(args, threshold, reuse, ep)
     intra, inter = zero_traffic(local - experts, 3, world, k, p, g, node, hpz, z["gathered"] - gathered, z["persistent"])
     e_intra, e_inter = zero_traffic(experts // ep, 3, world // ep, k, p, g, max(node // ep, 1), False, gathered)
     return intra + e_intra, inter + e_inter
@@ -160,11 +165,18 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         opt = muon_step(args, stage, world, bucket, g, cfg.optimizer.muon_ns_method, ep) if muon else None
         states = model_state_bytes(local, stage, zero_world, precision, d.grad_dtype, largest_layer_params(args, tp),
                                    opt["params"] if muon else 0)
+        held = local  # (the parameters this rank holds whole below ZeRO-3)
+        if ep > 1 and stage < 3:  # each rank holds its E/ep experts, their states sharded over world/ep ranks
+            experts = expert_params(args)
+            held = local - experts + experts // ep
+            dense = model_state_bytes(local - experts, stage, zero_world, precision, d.grad_dtype)
+            mine = model_state_bytes(experts // ep, stage, zero_world // ep, precision, d.grad_dtype)
+            states = {key: dense[key] + mine[key] for key in dense}
         if hpz:  # the secondary partition: the 16-bit weights over the node's GPUs
             states["hpz_secondary"] = p * local / min(a.gpus_per_node, zero_world)
         acts = activation_bytes(args, micro_tokens, p, t.activation_checkpointing, t.loss_chunk_tokens, sp,
                                 t.mlp_chunk_tokens, tp)
-        buffers = allreduce_copy_bytes(local, stage, precision, d.grad_dtype)
+        buffers = allreduce_copy_bytes(held, stage, precision, d.grad_dtype)
         if stage > 0:
             buffers += (d.reduce_bucket_size or args.dim**2) * 4 + (
                 (d.prefetch_bucket_size or int(0.9 * args.dim**2)) * p if stage == 3 else 0)
@@ -316,7 +328,7 @@ def parallel_options(at, cfg: Config, args: ModelArgs, a: Assumptions) -> tuple[
         if a.gpus % n == 0:
             layouts += [(f"TP {n} + ZeRO-{stage}", n, False, 1)] + [(f"TP {n} + ZeRO-3 + hpZ", n, True, 1)] * hpz_too
     # A Mixture-of-Experts: expert parallelism over each size that divides the experts and the GPUs
-    layouts += [(f"EP {n} + ZeRO-3", 1, False, n) for n in range(2, args.moe_experts + 1)
+    layouts += [(f"EP {n} + ZeRO-{stage}", 1, False, n) for n in range(2, args.moe_experts + 1)
                 if args.moe_experts % n == 0 and a.gpus % n == 0]
     rows, not_listed = [], {}
     for name, tp, hpz, ep in layouts:
@@ -493,7 +505,10 @@ def _ep_line(e: dict) -> str:
     a, ep = e["assumptions"], e["expert_parallel"]
     where = f"{a['sp_gbps']:g} Gbit/s (within a node)" if ep <= a["gpus_per_node"] else f"{a['gbps']:g} Gbit/s"
     recompute = ", again in the recomputation" if e["activation_checkpointing"] else ""
-    return (f"expert parallelism over {ep} GPUs: each holds 1/{ep} of the experts and gathers only those; the tokens' "
+    held = ("1/{ep} of the experts and gathers only those" if e["zero_stage"] == 3 else
+            "1/{ep} of the experts whole, their optimizer state split over the {n} GPUs that hold the same ones")
+    held = held.format(ep=ep, n=a["gpus"] // ep)
+    return (f"expert parallelism over {ep} GPUs: each holds {held}; the tokens' "
             f"rows to their experts and back, {e['expert_all_to_all_mib_per_block']:.3g} MiB per GPU per MoE block per "
             f"micro-batch in forward, the same in backward{recompute}; {e['expert_all_to_all_gib_per_gpu']:.3g} GiB per "
             f"GPU per step, {e['expert_all_to_all_s']:.3g} s at {where} (not overlapped: in the step time)")

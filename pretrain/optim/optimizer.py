@@ -89,6 +89,24 @@ def param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> list[dict]:
     return [{k: v for k, v in g.items() if k != "roles"} for g in groups if g["params"]]
 
 
+def expert_groups(groups: list[dict]) -> list[dict]:
+    """`groups` with each one's experts, where expert parallelism runs at ZeRO-1/2 (parameters
+    marked by pretrain/parallel/expert_parallel.py: `allreduce` False, `group_name`), moved into a
+    group of their own with its settings, after all the others (a dense run's groups keep their
+    places), marked as DeepSpeed wants its MoE groups ("moe", "name": the expert-parallel group),
+    which it partitions and reduces over the ranks that hold the same experts. (DeepSpeed's
+    deepspeed.moe.utils split needs a "name" on every group; this is its rule, written for ours.)"""
+    dense, experts = [], []
+    for g in groups:
+        marked = [p for p in g["params"] if getattr(p, "allreduce", True) is False]
+        rest = [p for p in g["params"] if getattr(p, "allreduce", True) is not False]
+        if rest:
+            dense.append({**g, "params": rest})
+        for name in dict.fromkeys(p.group_name for p in marked):
+            experts.append({**g, "params": [p for p in marked if p.group_name == name], "moe": True, "name": name})
+    return dense + experts
+
+
 def set_lr(optimizer, lr: float) -> None:
     """Give each group the rate `lr` x its `lr_scale` (groups restored from checkpoints written before
     groups had one are sp's: 1)."""
@@ -185,5 +203,5 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.
         return MuonWithAuxAdam(muon_param_groups(model, cfg), adam_optimizer=torch.optim.AdamW,
                                adam_optimizer_kwargs={"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps,
                                                       "fused": device.type == "cuda"})
-    return torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+    return torch.optim.AdamW(expert_groups(param_groups(model, cfg)), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=cfg.eps, fused=device.type == "cuda")

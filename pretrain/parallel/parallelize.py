@@ -395,8 +395,11 @@ def build_engine(model: Transformer, cfg: Config, ds_config: dict, device: torch
     (pretrain/optim/schedule.py)."""
     import deepspeed
 
+    from pretrain.parallel.expert_parallel import engine_with_experts, marked
+
     optimizer = build_optimizer(model, cfg.optimizer, device)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    with engine_with_experts(marked(model)):  # (expert parallelism at ZeRO-1/2)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     zero = ds_config["zero_optimization"]
     if cfg.optimizer.name == "muon" and zero["stage"] > 0 and "offload_optimizer" not in zero:
         if hasattr(engine.optimizer, "_prepare_muon_updates"):  # (DeepSpeed's BF16_Optimizer: bf16_optimizer())
