@@ -23,7 +23,6 @@ grid can be widened (`--lrs`) without training again what it has.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import multiprocessing

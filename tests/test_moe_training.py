@@ -221,29 +221,46 @@ def test_expert_parallelism_at_zero_1_and_2_trains_as_every_rank_holding_every_e
     of their own, partitioned and reduced over the ranks that hold them. Each rank's checkpoint holds
     its own experts (no other rank's): the whole model read back equals the reference's; the
     checkpoint resumes bitwise at its own layout (each rank's weights from its own shard, not from
-    rank 0's model states), at expert_parallel=4 and on one rank."""
+    rank 0's model states), at expert_parallel=4 and on one rank, and expert_parallel=1's resumes at 2
+    (its experts moved into groups of their own). In bf16 at ZeRO-1 (DeepSpeed's bf16 optimizer,
+    each expert's state over 2 ranks) expert_parallel=2 repeats 1 within 1e-4, its checkpoint reads
+    back as 1's and resumes bitwise."""
     from pretrain.checkpoint.reshard import fp32_weights
 
-    runs = {"ep1": ["distributed.zero_stage=1"], "ep2": ["distributed.zero_stage=1", "distributed.expert_parallel=2"],
+    z1 = ["distributed.zero_stage=1"]
+    runs = {"ep1": z1, "ep2": z1 + ["distributed.expert_parallel=2"],
             "ep4": ["distributed.zero_stage=2", "distributed.expert_parallel=4", "distributed.offload_optimizer=true"],
             "ep2sp2": ["distributed.zero_stage=2", "distributed.expert_parallel=2", "distributed.sequence_parallel=2",
-                       "train.micro_batch_size=4"]}
+                       "train.micro_batch_size=4"],
+            "bf16ep1": z1 + ["train.precision=bf16"], "bf16ep2": z1 + ["train.precision=bf16", "distributed.expert_parallel=2"]}
     common = [a for a in EP if not a.startswith("distributed.zero_stage")]
     for name, extra in runs.items():
         run_train(common + ["train.micro_batch_size=2", *extra, f"train.run_dir={tmp_path / name}"], nproc=4)
-    ckpt = tmp_path / "ep2" / "checkpoints" / "step_00000002"
-    for where, nproc, extra in (("same", 4, runs["ep2"]),
-                                ("to_ep4", 4, ["distributed.zero_stage=1", "distributed.expert_parallel=4"]),
-                                ("to_one", 1, ["distributed.zero_stage=1", "train.micro_batch_size=8"])):
-        shutil.copytree(ckpt, tmp_path / where / "checkpoints" / ckpt.name)
+    step2 = "checkpoints/step_00000002"
+    ckpt = tmp_path / "ep2" / step2
+    for where, source, nproc, extra in (("same", "ep2", 4, runs["ep2"]),
+                                        ("to_ep4", "ep2", 4, z1 + ["distributed.expert_parallel=4"]),
+                                        ("to_one", "ep2", 1, z1 + ["train.micro_batch_size=8"]),
+                                        ("from_ep1", "ep1", 4, runs["ep2"]),
+                                        ("bf16same", "bf16ep2", 4, runs["bf16ep2"])):
+        shutil.copytree(tmp_path / source / step2, tmp_path / where / step2)
         run_train(common + ["train.micro_batch_size=2", *extra, "checkpoint.resume=auto",
                             f"train.run_dir={tmp_path / where}"], nproc=nproc)
     want, ep2 = _metrics(tmp_path / "ep1"), _metrics(tmp_path / "ep2")
     assert sorted(want) == [1, 2, 3, 4]
     assert _metrics(tmp_path / "same") == {3: ep2[3], 4: ep2[4]}
-    for name in ["ep2", "ep4", "ep2sp2", "to_ep4", "to_one"]:
+    bf16 = _metrics(tmp_path / "bf16ep2")
+    assert _metrics(tmp_path / "bf16same") == {3: bf16[3], 4: bf16[4]}
+    for step, (loss, _) in _metrics(tmp_path / "bf16ep1").items():
+        assert bf16[step][0] == pytest.approx(loss, rel=1e-4), (step, bf16)
+    # (Adam's first steps move a weight by about the rate, 3e-4, either way, so a gradient near 0 in
+    # bf16 may go the other way: 4.4e-4 apart at most here; experts read in the wrong order, 0.1)
+    whole, reference = fp32_weights(tmp_path / "bf16ep2" / step2), fp32_weights(tmp_path / "bf16ep1" / step2)
+    for name in whole:
+        torch.testing.assert_close(whole[name], reference[name], rtol=0, atol=2e-3, msg=name)
+    for name in ["ep2", "ep4", "ep2sp2", "to_ep4", "to_one", "from_ep1"]:
         got = _metrics(tmp_path / name)
-        assert sorted(got) == ([3, 4] if name.startswith("to_") else [1, 2, 3, 4]), name
+        assert sorted(got) == ([3, 4] if name.startswith(("to_", "from_")) else [1, 2, 3, 4]), name
         for step in got:
             assert got[step] == pytest.approx(want[step], rel=1e-6), (name, step, want, got)
     shapes = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["param_shapes"]
@@ -253,7 +270,7 @@ def test_expert_parallelism_at_zero_1_and_2_trains_as_every_rank_holding_every_e
                            weights_only=False)["optimizer_state_dict"]
         groups = shard["base_optimizer_state"]["param_groups"]
         assert [g.get("name") for g in groups if g.get("moe")] == ["ep_size_2"], groups
-    whole, reference = fp32_weights(ckpt), fp32_weights(tmp_path / "ep1" / "checkpoints" / ckpt.name)
+    whole, reference = fp32_weights(ckpt), fp32_weights(tmp_path / "ep1" / step2)
     assert whole.keys() == reference.keys() and whole["layers.1.feed_forward.experts.w1"].shape == (4, 64, 128)
     for name in whole:
         torch.testing.assert_close(whole[name], reference[name], rtol=1e-5, atol=1e-6, msg=name)

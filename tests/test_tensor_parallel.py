@@ -70,6 +70,7 @@ def test_the_deepspeed_config_splits_only_the_block_matrices():
 
 _SHARDS = r"""
 import json, sys, torch, deepspeed
+from pathlib import Path
 from pretrain.config import load_config
 from pretrain.model.model import Transformer
 from pretrain.parallel import distributed
@@ -110,8 +111,8 @@ whole_tokens = torch.cat([torch.randint(0, 256, (1, 257), generator=torch.Genera
                           for r in range(env.dp_size)])
 out["ref"] = whole(whole_tokens[:, :-1], labels=whole_tokens[:, 1:]).item() if env.dp_size == 1 else \
     whole(tokens[:, :-1], labels=tokens[:, 1:]).item()
-if env.rank == 0 or env.rank == 1:
-    print(f"RESULT{env.rank} " + json.dumps(out))
+if env.rank == 0 or env.rank == 1:  # (a file each: two ranks printing to one pipe can interleave their lines)
+    (Path(__file__).parent / f"result{env.rank}.json").write_text(json.dumps(out))
 distributed.shutdown()
 """
 
@@ -131,8 +132,7 @@ def test_each_rank_holds_its_slice_of_the_tp1_weights(tmp_path, nproc, tp, stage
     proc = subprocess.run(cmd, cwd=REPO, env=train_env({"PYTHONPATH": str(REPO)}), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert len(results) == 2
+    results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in (0, 1)]
     for r in results:
         shapes = r["shapes"]
         assert shapes["layers.0.attention.wq.weight"] == [64 // tp, 64]

@@ -40,7 +40,7 @@ import torch
 _SHARD = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MP_RANK = re.compile(r"(^|_)mp_rank_(\d+)_")
 _EXPERTS = re.compile(r"\.experts\.w[123]$")  # an MoE layer's stacked experts (pretrain/model/moe.py)
-VERSION = "pretrain-universal 1"  # the `done` marker of a conversion (an older one is made again)
+VERSION = "pretrain-universal 2"  # the `done` marker of a conversion (an older one is made again)
 
 
 def _load(path: Path):
@@ -239,7 +239,12 @@ def write_universal(ckpt: Path, out: Path, split_experts: bool = False) -> None:
     else:
         common = {k: v for k, v in shard.items()
                   if k not in ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")}
-    common["param_groups"] = info["param_groups"]
+    # DeepSpeed's ZeRO-1/2 and bf16 universal loader (base_optimizer.py) loads the engine's groups
+    # zipped with these: an engine with more (its experts in groups of their own, expert parallelism
+    # at ZeRO-1/2, from a checkpoint without) would keep the rest as initialised. So the list is
+    # padded with copies, at most twice as many groups as there are; the checkpoint manager gives
+    # every group its own settings back after the load.
+    common["param_groups"] = info["param_groups"] * 2
     torch.save(common, zero / "optimizer_state.pt")
     for f in ckpt.glob("*model_states.pt"):
         try:

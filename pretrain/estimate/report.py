@@ -165,10 +165,10 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         opt = muon_step(args, stage, world, bucket, g, cfg.optimizer.muon_ns_method, ep) if muon else None
         states = model_state_bytes(local, stage, zero_world, precision, d.grad_dtype, largest_layer_params(args, tp),
                                    opt["params"] if muon else 0)
-        held = local  # (the parameters this rank holds whole below ZeRO-3)
+        copied = local  # (the parameters whose gradients DeepSpeed's plain all-reduce flattens into a copy)
         if ep > 1 and stage < 3:  # each rank holds its E/ep experts, their states sharded over world/ep ranks
             experts = expert_params(args)
-            held = local - experts + experts // ep
+            copied = local - experts  # (the experts' own group is one flat buffer: reduced in place)
             dense = model_state_bytes(local - experts, stage, zero_world, precision, d.grad_dtype)
             mine = model_state_bytes(experts // ep, stage, zero_world // ep, precision, d.grad_dtype)
             states = {key: dense[key] + mine[key] for key in dense}
@@ -176,7 +176,7 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
             states["hpz_secondary"] = p * local / min(a.gpus_per_node, zero_world)
         acts = activation_bytes(args, micro_tokens, p, t.activation_checkpointing, t.loss_chunk_tokens, sp,
                                 t.mlp_chunk_tokens, tp)
-        buffers = allreduce_copy_bytes(held, stage, precision, d.grad_dtype)
+        buffers = allreduce_copy_bytes(copied, stage, precision, d.grad_dtype)
         if stage > 0:
             buffers += (d.reduce_bucket_size or args.dim**2) * 4 + (
                 (d.prefetch_bucket_size or int(0.9 * args.dim**2)) * p if stage == 3 else 0)

@@ -74,8 +74,6 @@ class LazyWeights:
     that no process holds more than one tensor of the model at a time."""
 
     def __init__(self, path: Path, args: ModelArgs):
-        from safetensors import safe_open
-
         if (path / INDEX).is_file():
             where = json.loads((path / INDEX).read_text())["weight_map"]  # HF name -> file
         else:
