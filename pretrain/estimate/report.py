@@ -163,8 +163,6 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
         # what it holds over the ranks that hold the same slice (a sequence-parallel group's too).
         local, zero_world = tensor_parallel_params(args, n_total, tp), world // tp
         opt = muon_step(args, stage, world, bucket, g, cfg.optimizer.muon_ns_method, ep) if muon else None
-        states = model_state_bytes(local, stage, zero_world, precision, d.grad_dtype, largest_layer_params(args, tp),
-                                   opt["params"] if muon else 0)
         copied = local  # (the parameters whose gradients DeepSpeed's plain all-reduce flattens into a copy)
         if ep > 1 and stage < 3:  # each rank holds its E/ep experts, their states sharded over world/ep ranks
             experts = expert_params(args)
@@ -172,6 +170,9 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
             dense = model_state_bytes(local - experts, stage, zero_world, precision, d.grad_dtype)
             mine = model_state_bytes(experts // ep, stage, zero_world // ep, precision, d.grad_dtype)
             states = {key: dense[key] + mine[key] for key in dense}
+        else:
+            states = model_state_bytes(local, stage, zero_world, precision, d.grad_dtype, largest_layer_params(args, tp),
+                                       opt["params"] if muon else 0)
         if hpz:  # the secondary partition: the 16-bit weights over the node's GPUs
             states["hpz_secondary"] = p * local / min(a.gpus_per_node, zero_world)
         acts = activation_bytes(args, micro_tokens, p, t.activation_checkpointing, t.loss_chunk_tokens, sp,
