@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ class DataConfig:
         for i, src in enumerate(self.sources + self.validation):
             if not src.path:
                 out.append(f"data source #{i} has no path: set path to a hub name or local file")
-            if src.weight <= 0:
+            if not (math.isfinite(src.weight) and src.weight > 0):  # (NaN passes `<= 0`)
                 out.append(f"data source {src.path!r} has weight {src.weight}: weights must be > 0")
             if not 0 <= src.holdout < 1:
                 out.append(f"data source {src.path!r} has holdout={src.holdout}: a share in [0, 1)")

@@ -8,7 +8,7 @@ import logging
 import os
 from pathlib import Path
 
-from pretrain.config import Config, moe_muon_bf16_problems
+from pretrain.config import Config, is_hf_model, moe_muon_bf16_problems
 from pretrain.errors import ConfigError
 from pretrain.hf import hub
 from pretrain.metrics import JsonlLogger, Loggers, MetricLogger, WandbLogger
@@ -18,16 +18,24 @@ from pretrain.parallel import distributed
 log = logging.getLogger(__name__)
 
 
+def resolve_model(cfg: Config):
+    """(tokenizer, the config whose `model` is the one to train): the vocabulary from the tokenizer,
+    a Hugging Face init_from's config.json with the run config's overrides, the end-of-text id. The
+    start checks (Config.validate) and everything after them read this model."""
+    tokenizer, args = tokenizer_and_model_args(cfg)
+    return tokenizer, dataclasses.replace(cfg, model=args)
+
+
 def tokenizer_and_model_args(cfg: Config):
     """(tokenizer, ModelArgs with the vocabulary size filled in from the tokenizer)."""
     import data_pipeline as dp
 
     tokenizer = dp.load_tokenizer(cfg.data.tokenizer)
-    args = hf_model_args(cfg) if hub.is_hf_model(cfg.checkpoint.init_from) else dataclasses.replace(cfg.model)
+    args = hf_model_args(cfg) if is_hf_model(cfg.checkpoint.init_from) else dataclasses.replace(cfg.model)
     if not args.vocab_size:
         args.vocab_size = dp.padded_vocab_size(tokenizer, args.vocab_multiple_of)
     elif args.vocab_size < tokenizer.get_vocab_size():
-        if hub.is_hf_model(cfg.checkpoint.init_from):  # the vocabulary is the model's: the tokenizer must fit it
+        if is_hf_model(cfg.checkpoint.init_from):  # the vocabulary is the model's: the tokenizer must fit it
             raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} has {tokenizer.get_vocab_size()} tokens, more "
                               f"than the vocabulary of checkpoint.init_from={cfg.checkpoint.init_from} "
                               f"({args.vocab_size}): use the model's own tokenizer (data.tokenizer={cfg.checkpoint.init_from})")
@@ -142,7 +150,7 @@ def loggers(cfg: Config, env: distributed.Dist, run_dir: Path, run_id: str, star
 def model_args(cfg: Config) -> ModelArgs:
     """The model shape with its vocabulary size: a Hugging Face init_from's config.json, or the config's
     model with the vocabulary from its tokenizer if it is not set."""
-    if hub.is_hf_model(cfg.checkpoint.init_from):
+    if is_hf_model(cfg.checkpoint.init_from):
         return hf_model_args(cfg)
     if cfg.model.vocab_size:
         return cfg.model

@@ -179,9 +179,14 @@ class Config:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
-    def problems(self, world_size: int | None = None) -> list[str]:
-        """Cross-field checks; with `world_size`, also the batch arithmetic of that run."""
-        out = self.model.problems() + self.data.problems()
+    def problems(self, world_size: int | None = None, model: bool = True) -> list[str]:
+        """Cross-field checks; with `world_size`, also the batch arithmetic of that run. `model`: the
+        model's own checks and the layout's against it too. Only `load_config` leaves them out, for a
+        Hugging Face checkpoint.init_from: its config.json defines the model, of which the `model`
+        section holds the overrides until the start reads it (pretrain/build.py resolve_model) and
+        checks the config that will train (`validate`)."""
+        m = self.model if model else None
+        out = (m.problems() if m else []) + self.data.problems()
         t, s = self.train, self.schedule
         if t.max_steps <= 0:
             out.append(f"train.max_steps={t.max_steps} must be positive")
@@ -192,9 +197,9 @@ class Config:
         if self.data.seq_len > 0 and t.global_batch_tokens % self.data.seq_len:
             out.append(f"train.global_batch_tokens={t.global_batch_tokens} is not a multiple of "
                        f"data.seq_len={self.data.seq_len}")
-        if self.data.seq_len > self.model.max_seq_len:
+        if m and self.data.seq_len > m.max_seq_len:
             out.append(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
-                       f"{self.model.max_seq_len}: raise model.max_seq_len or lower data.seq_len")
+                       f"{m.max_seq_len}: raise model.max_seq_len or lower data.seq_len")
         _choice(out, "train.precision", t.precision, ("auto", "bf16", "fp16", "fp32", "fp8"))
         out += fp8_problems(self)
         _choice(out, "train.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
@@ -235,7 +240,7 @@ class Config:
         elif o.lr < 0:
             out.append(f"optimizer.lr={o.lr} must be >= 0")
         out += muon_problems(self)
-        out += moe_problems(self)
+        out += moe_problems(self, m)
         if s.min_lr > self.optimizer.lr:
             out.append(f"schedule.min_lr={s.min_lr} is above optimizer.lr={self.optimizer.lr}")
         if not (math.isfinite(self.checkpoint.every_minutes) and self.checkpoint.every_minutes >= 0):
@@ -287,9 +292,9 @@ class Config:
         if sp < 1:
             out.append(f"distributed.sequence_parallel={sp} must be >= 1 (1 = off)")
         elif sp > 1:
-            if self.model.n_heads % sp:
-                out.append(f"distributed.sequence_parallel={sp} does not divide model.n_heads={self.model.n_heads}: "
-                           f"each rank attends with n_heads / {sp} heads (use one of {_divisor_hint(self.model.n_heads)})")
+            if m and m.n_heads % sp:
+                out.append(f"distributed.sequence_parallel={sp} does not divide model.n_heads={m.n_heads}: "
+                           f"each rank attends with n_heads / {sp} heads (use one of {_divisor_hint(m.n_heads)})")
             if self.data.seq_len % sp:
                 out.append(f"distributed.sequence_parallel={sp} does not divide data.seq_len={self.data.seq_len}: "
                            "each rank holds seq_len / sequence_parallel tokens")
@@ -297,9 +302,8 @@ class Config:
         if tp < 1:
             out.append(f"distributed.tensor_parallel={tp} must be >= 1 (1 = off)")
         elif tp > 1:
-            m = self.model
             for name, size in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads),
-                               ("the FFN width (model.ffn_hidden_dim)", m.hidden_dim)):
+                               ("the FFN width (model.ffn_hidden_dim)", m.hidden_dim)) if m else ():
                 if size % tp:
                     out.append(f"distributed.tensor_parallel={tp} does not divide {name}={size}: each rank holds "
                                f"1/{tp} of it (use one of {_divisor_hint(size)})")
@@ -341,7 +345,8 @@ class Config:
         return out
 
     def validate(self, world_size: int) -> None:
-        """Raise ConfigError listing every problem of this config at `world_size`."""
+        """Raise ConfigError listing every problem of this config at `world_size`: the start's check,
+        of the config whose `model` is the one to train (pretrain/build.py resolve_model)."""
         problems = self.problems(world_size)
         if problems:
             raise ConfigError(problems)
@@ -399,15 +404,16 @@ def muon_problems(cfg: "Config") -> list[str]:
     return out
 
 
-def moe_problems(cfg: "Config") -> list[str]:
+def moe_problems(cfg: "Config", model: ModelArgs | None) -> list[str]:
     """What a Mixture-of-Experts model (model.moe_experts > 0) does not run with yet, each one line;
-    distributed.expert_parallel's own checks."""
+    distributed.expert_parallel's own checks. `model`: the model to train (None: not yet known, a
+    Hugging Face model's until its config.json is read; its checks wait)."""
     d, t, out = cfg.distributed, cfg.train, []
-    ep, experts = d.expert_parallel, cfg.model.moe_experts
+    ep, experts = d.expert_parallel, model.moe_experts if model else 0
     if ep < 1:
         out.append(f"distributed.expert_parallel={ep} must be >= 1 (1 = off)")
     elif ep > 1:
-        if not experts:
+        if model and not experts:
             out.append(f"distributed.expert_parallel={ep} needs a Mixture-of-Experts model: set model.moe_experts "
                        "or expert_parallel=1")
         elif experts % ep:
@@ -437,7 +443,7 @@ def moe_problems(cfg: "Config") -> list[str]:
     }
     for name, (bad, fix) in why.items():
         if bad:
-            out.append(f"model.moe_experts={cfg.model.moe_experts} with {name}: {fix}")
+            out.append(f"model.moe_experts={experts} with {name}: {fix}")
     if t.precision in ("bf16", "fp8"):
         out += moe_muon_bf16_problems(cfg, "bf16")
     return out
@@ -485,6 +491,16 @@ def zero_sizes(cfg: Config) -> dict:
             else d.param_persistence_threshold}
 
 
+def is_hf_model(spec: str | Path) -> bool:
+    """checkpoint.init_from names a Hugging Face model: `hub:NAME`, or a directory holding a
+    `config.json` (and not one of our checkpoints, which hold meta.json)."""
+    spec = str(spec)
+    if spec.startswith("hub:"):
+        return True
+    p = Path(spec).expanduser()
+    return bool(spec) and (p / "config.json").is_file() and not (p / "meta.json").is_file()
+
+
 # ---------------------------------------------------------------- loading
 
 
@@ -517,12 +533,35 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
         else:
             raw["model"] = {**PRESETS[preset], **model}
     cfg = _build(Config, raw, "", errors)
-    if not errors:
-        errors = cfg.problems(world_size)
+    if not errors:  # (a NaN passes every comparison of problems(): it is refused before them, alone)
+        errors = non_finite(cfg) or cfg.problems(world_size, model=not is_hf_model(cfg.checkpoint.init_from))
     if errors:
         raise ConfigError(errors)
     cfg.train.run_dir = os.path.abspath(cfg.train.run_dir)  # the default too
     return cfg
+
+
+def non_finite(cfg: Config) -> list[str]:
+    """One line naming every float of the config, in any section or list, that is NaN or infinite
+    (none: []). No field means anything by them: NaN passes every range check (`x < 0` is false) and
+    trains, e.g. model.moe_bias_rate=nan collapses the routing. No field keeps inf either: each
+    limit, timeout or threshold that can be off says so with 0 (checkpoint.every_minutes,
+    distributed.peak_flops, resilience.hang_timeout_s, spike_sigma, straggler_warn,
+    optimizer.grad_clip), and inf in a rate, a coefficient, a share or a budget is no number to train with."""
+    bad = []
+
+    def walk(node, where: str) -> None:
+        if dataclasses.is_dataclass(node):
+            for f in dataclasses.fields(node):
+                walk(getattr(node, f.name), f"{where}.{f.name}" if where else f.name)
+        elif isinstance(node, list):
+            for i, item in enumerate(node):
+                walk(item, f"{where}[{i}]")
+        elif isinstance(node, float) and not math.isfinite(node):
+            bad.append(f"{where}={node}")
+
+    walk(cfg, "")
+    return [", ".join(bad) + ": must be finite numbers"] if bad else []
 
 
 def config_from_dict(raw: dict) -> Config:

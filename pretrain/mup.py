@@ -50,6 +50,7 @@ from pretrain.errors import ConfigError, UserError
 from pretrain.model.args import ModelArgs
 from pretrain.model.model import Attention, Transformer, apply_rotary_emb
 from pretrain.optim.optimizer import build_optimizer, set_lr
+from pretrain.parallel.parallelize import resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,15 @@ def _batch(cfg: Config, batch_size: int, seq_len: int):
 def check(config: str, overrides: list[str], widths: list[int], depths: list[int], steps: int = 10,
           seeds: int = 8, batch_size: int = 2, seq_len: int = 16) -> dict:
     cfg = load_config(config, overrides)
+    # What `pretrain train` refuses on this machine (train.precision=fp16 or unemulated fp8 without CUDA,
+    # fp8 without torchao) is refused by the same check: one line, exit 2. What it would run (bf16,
+    # float8 matmuls), the check does not: it trains and measures in fp32 on the CPU, and says so.
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (as distributed.init picks)
+    precision = resolve_precision(cfg, device)
+    if precision != "fp32" or cfg.train.precision == "fp8":
+        log.warning("note: the check trains and measures in fp32 on the CPU, not as `pretrain train` runs "
+                    "train.precision=%s here (%s)", cfg.train.precision,
+                    "float8 matmuls" if cfg.train.precision == "fp8" else precision)
     if len(widths) == 1 or len(depths) == 1:
         raise UserError("--widths and --depths each need at least two sizes to fit a slope")
     if not widths and not depths:

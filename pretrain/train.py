@@ -16,7 +16,6 @@ Only this module's top-level imports run before the signal handler is installed,
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -113,11 +112,15 @@ def run(config_path: str, overrides: list[str], stop: StopSignal) -> int:
         env = distributed.init(cfg.distributed.backend, cfg.distributed.timeout_s)
         setup_logging(env.rank)
         try:
+            from pretrain import build
+
+            # Every check runs on the model that will be trained (a Hugging Face model's config.json read)
+            tokenizer, cfg = distributed.agree(build.resolve_model, cfg)
             cfg.validate(env.world_size)
             faults.from_env(env.world_size)
             d = cfg.distributed
             env = distributed.init_layout(env, d.sequence_parallel, d.tensor_parallel, d.hpz, d.expert_parallel)
-            summary = _train(cfg, env, stop)
+            summary = _train(cfg, tokenizer, env, stop)
         except StoppedAtStartup as e:  # every rank alike: the start-up checks are collective
             distributed.barrier()
             _requeue_if_slurm(env.is_main, e.signum)
@@ -147,7 +150,7 @@ def run(config_path: str, overrides: list[str], stop: StopSignal) -> int:
     return 0
 
 
-def _train(cfg, env, stop: StopSignal):
+def _train(cfg, tokenizer, env, stop: StopSignal):
     """The run's summary, or None after a stop by signal (checkpoint saved, requeued). Loggers and
     the run dir are closed on every way out."""
     from pretrain import build
@@ -171,9 +174,8 @@ def _train(cfg, env, stop: StopSignal):
     run_dir.open()
     logger, trainer, start, ckpt = MetricLogger(), None, None, None
     try:
-        tokenizer, model_args = distributed.agree(build.tokenizer_and_model_args, cfg)
+        model_args = cfg.model  # (resolved: the vocabulary from the tokenizer, an HF model's config.json)
         resolved = cfg.to_dict()
-        resolved["model"] = dataclasses.asdict(model_args)  # filled from the tokenizer or an HF config.json
         import data_pipeline as dp
 
         provenance = _provenance()
@@ -182,7 +184,7 @@ def _train(cfg, env, stop: StopSignal):
             run_config=resolved, tokenizer_json=tokenizer.to_str(),
             tokenizer_fingerprint=dp.tokenizer_fingerprint(tokenizer), overwrite=cfg.train.overwrite,
             provenance=provenance)
-        start = ckpt.plan_start()
+        start = ckpt.plan_start()  # (reads the run dir; changes it only at ckpt.begin)
         check_stop()
         # The data comes before the model: a wrong source, tokenizer or resume position fails in
         # seconds, not after a large model has been built.
@@ -200,6 +202,11 @@ def _train(cfg, env, stop: StopSignal):
         precision = resolve_precision(cfg, env.device)
         weights_only = start.path if start.kind == "finetune" and not cfg.checkpoint.init_load_optimizer else None
         engine, ds_config = build.engine(cfg, model_args, env, precision, init_weights_from=weights_only)
+        ckpt.check_precision(start, engine.bfloat16_enabled())
+        check_stop()
+        # Every start check passed: only now does the start change the run dir (an earlier run
+        # replaced, newer checkpoints set aside, run.json, the config files, metrics.jsonl rewound).
+        ckpt.begin(start)
         n_total, n_non_emb = num_params(model_args), num_params(model_args, non_embedding=True)
         fpt = flops_per_token(model_args, cfg.data.seq_len)
         scaling = {"n_params": n_total, "n_params_non_embedding": n_non_emb, "n_params_matmul": matmul_params(model_args),

@@ -53,6 +53,7 @@ class Trainer:
         self.step = 0  # optimizer steps done
         self.skipped = 0  # steps whose update was dropped (non-finite loss or gradient norm)
         self.skipped_in_a_row = 0
+        self.dropped = False  # the latest step's update was dropped (a spike, or non-finite)
         self.loss_scale_skips = 0  # fp16: steps DeepSpeed dropped to lower the loss scale (not failures)
         self.spike_skips = 0  # steps dropped as loss or gradient-norm spikes (resilience.spike_sigma)
         self.fp16 = precision == "fp16"
@@ -227,6 +228,7 @@ class Trainer:
         if grad_bad and not self._drop_update:
             self._nonfinite(f"gradient norm is {self._norm()}", after_step=True)
         self.step += 1
+        self.dropped = bool(self._spike or self._drop_update or grad_bad)
         if self._spike:
             self.spike_skips += 1
             self.skipped_in_a_row += 1
@@ -244,7 +246,7 @@ class Trainer:
             if len(self._host_stats) == 3:  # (the guard read the norm: the update was applied)
                 self.spikes.accept(self._mean(loss_sum), self._host_stats[2])
         if self.routing:
-            self.routing.step_done(applied=not (self._spike or self._drop_update or grad_bad))
+            self.routing.step_done(applied=not self.dropped)
         return self._mean(loss_sum)
 
     def _stop_if_diverging(self) -> None:
@@ -391,16 +393,9 @@ class Trainer:
                 with self.traffic or contextlib.nullcontext():
                     loss = self.train_step()
                 self.watchdog.step_took(time.perf_counter() - step_start)
-                if self._spike:
-                    target = self.rollbacks.spiked(self.step, self.ckpt)
-                    if target is not None:
-                        spike_skips = self.spike_skips  # (a count of the run, not of the checkpoint)
-                        self._go_back_to(target)
-                        self.logger.rewind(self.step)  # metrics.jsonl: the abandoned timeline's records go
-                        self.spike_skips, self.rollbacks.recent_spikes = spike_skips, []
-                        self.logger.log({"train/rollbacks": self.rollbacks.rollbacks}, self.step)
-                        window_start, window_steps, losses = time.perf_counter(), 0, []
-                        continue
+                if self._rolled_back():
+                    window_start, window_steps, losses = time.perf_counter(), 0, []
+                    continue
                 if self.cfg.train.compile and first_loss is None:
                     from torch._dynamo.utils import counters
 
@@ -449,6 +444,21 @@ class Trainer:
         self.save(wait=True)
         return summary
 
+    def _rolled_back(self, newest: int | None = None) -> bool:
+        """After a step: whether it was a spike that brought the run back to a checkpoint (the newest
+        before the spikes, and not after step `newest`: a decay branch's start) with their data skipped."""
+        if not self._spike:
+            return False
+        target = self.rollbacks.spiked(self.step, self.ckpt, newest)
+        if target is None:
+            return False
+        spike_skips = self.spike_skips  # (a count of the run, not of the checkpoint)
+        self._go_back_to(target)
+        self.logger.rewind(self.step)  # metrics.jsonl: the abandoned timeline's records go
+        self.spike_skips, self.rollbacks.recent_spikes = spike_skips, []
+        self.logger.log({"train/rollbacks": self.rollbacks.rollbacks}, self.step)
+        return True
+
     def _go_back_to(self, path) -> None:
         """Restore the run to the checkpoint `path` (a decay branch's start, a rollback's target);
         the data restarts from its restored position."""
@@ -468,23 +478,36 @@ class Trainer:
         the run back to this step (a checkpoint saved first) and go on with the stable phase. The
         branch is what a run of `end` steps with a WSD schedule would be: its eval loss is a point at
         end x tokens-per-step tokens. A stop signal during a branch stops the run; the resume from
-        this step's checkpoint runs the branch again."""
+        this step's checkpoint runs the branch again. Spikes are dropped as in the stable phase, and a
+        rollback goes back to this step's checkpoint, so the branch applies `end` - this step updates
+        unless single spikes were dropped (branch/dropped_steps: `pretrain scaling fit` refuses it)."""
         from pretrain.checkpoint.layout import step_dir_name
 
         start = self.step
         self.save(wait=True)
         path = self.ckpt.root / step_dir_name(start)
         log.info("step %6d | decay branch to step %d (schedule.decay_points), then back here", start, end)
-        self.decay_end, losses = end, []
+        self.decay_end, losses, dropped = end, [], 0
+        self.rollbacks.recent_spikes = []  # the stable phase's: they would roll back to before the branch
         try:
             while self.step < end:
-                losses.append(self.train_step())
+                self.rollbacks.skip(self.data_iter, self.step + 1, self._progress)
+                loss = self.train_step()
+                if self._rolled_back(newest=start):  # (to this step: the branch starts over)
+                    losses, dropped = [], 0
+                    continue
+                if self.dropped:
+                    dropped += 1
+                else:
+                    losses.append(loss)
                 signum = self.stop.agreed()
                 if signum:
                     raise StopRequested(signum, start)
+            last = losses[-10:]  # (of the applied steps: a dropped one's loss may be a spike's)
             result = {"branch/end_step": end, "branch/tokens": end * self.tokens_per_step,
                       "branch/flops": end * self.tokens_per_step * self.flops_per_token,
-                      "branch/train_loss": sum(losses[-10:]) / len(losses[-10:])}
+                      "branch/train_loss": sum(last) / len(last) if last else math.nan,
+                      "branch/dropped_steps": dropped}
             if self.evaluates:
                 ev = self.evaluate()
                 if "eval/loss" in ev:

@@ -361,14 +361,27 @@ def wandb_history(run_dir: Path) -> list[dict]:
     return rows
 
 
+def run_dir_files(path: Path) -> dict:
+    """name -> bytes of every file under `path` but the lock (which names each start's pid): what a
+    refused start must leave as it was."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
 def rewrite_meta(ckpt: Path, edit) -> None:
     """Edit meta.json and keep the manifest true to it (size and sha256), so that only the edit differs."""
-    import hashlib
-
     meta = json.loads((ckpt / "meta.json").read_text())
     edit(meta)
-    data = json.dumps(meta).encode()
-    (ckpt / "meta.json").write_bytes(data)
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    rewrite_file(ckpt, "meta.json")
+
+
+def rewrite_file(ckpt: Path, name: str) -> None:
+    """The manifest made true again to the checkpoint's file `name`, edited by a test (size and sha256)."""
+    import hashlib
+
+    data = (ckpt / name).read_bytes()
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["files"]["meta.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert name in manifest["files"], name
+    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))

@@ -2,6 +2,7 @@
 through the engine's checkpoint engine, as DeepSpeed does): durability order, failed saves, rotation
 of this run's checkpoints only, the start point. Real DeepSpeed runs are in test_checkpoint.py."""
 
+import dataclasses
 import errno
 import json
 import os
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import rewrite_meta
+from helpers import rewrite_file, rewrite_meta, run_dir_files
 from pretrain.checkpoint.layout import open_checkpoint
 from pretrain.checkpoint.manager import CheckpointManager
 from pretrain.checkpoint.rundir import RunDir
@@ -63,13 +64,15 @@ class Counter:
         self.step = state["step"]
 
 
-def manager(run_dir, resume="none", engine=None, **cfg):
+def manager(run_dir, resume="none", engine=None, args=ARGS, **cfg):
     run = RunDir(run_dir, ENV)
     run.open()
-    ckpt = CheckpointManager(run, CheckpointConfig(resume=resume, **cfg), ENV, model_args=ARGS, zero_stage=3,
-                             run_config={"distributed": {"zero_stage": 3}}, tokenizer_json="{}",
+    ckpt = CheckpointManager(run, CheckpointConfig(resume=resume, **cfg), ENV, model_args=args, zero_stage=3,
+                             run_config={"distributed": {"zero_stage": 3}, "model": dataclasses.asdict(args)},
+                             tokenizer_json="{}",
                              tokenizer_fingerprint="fp", overwrite=False, provenance={"pretrain_version": "t"})
     start = ckpt.plan_start()
+    ckpt.begin(start)
     trainer = Counter()
     ckpt.track(engine=engine or FakeEngine(), trainer=trainer)
     return run, ckpt, start, trainer
@@ -242,9 +245,9 @@ def test_a_save_blocks_only_for_the_copy_and_never_overlaps_the_previous(tmp_pat
 
 
 # ------------------------------------------------------------------ versions, fine-tuning, warnings
-def _saved(run_dir, step=1, **cfg):
+def _saved(run_dir, step=1, args=ARGS, **cfg):
     """A run dir holding one complete checkpoint of `step`; returns its folder (the run closed)."""
-    run, ckpt, _, trainer = manager(run_dir, **cfg)
+    run, ckpt, _, trainer = manager(run_dir, args=args, **cfg)
     trainer.step = step
     ckpt.save(step)
     ckpt.wait()
@@ -379,3 +382,64 @@ def test_a_universal_conversion_is_kept_while_its_checkpoint_is(tmp_path):
     assert sorted(p.name for p in (run.checkpoints / ".universal").iterdir()) == ["step_00000002"]
     assert sorted(p.name for p in run.checkpoints.iterdir() if p.is_dir() and not p.name.startswith(".")) == [
         "step_00000002", "step_00000003"]
+
+
+# ------------------------------------------------------------------ an MoE's fields on a resume
+MOE = dataclasses.replace(ARGS, n_layers=2, moe_experts=4, moe_hidden_dim=16, moe_dense_layers=1)
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"moe_experts": 8}, "another model shape (moe_experts: checkpoint 4 vs config 8)"),
+    ({"moe_hidden_dim": 32}, "another model shape (moe_expert_hidden_dim: checkpoint 16 vs config 32)"),
+    ({"moe_shared_experts": 1}, "another model shape (moe_shared_experts: checkpoint 0 vs config 1)"),
+    ({"moe_dense_layers": 0}, "another model shape (moe_dense_layers: checkpoint 1 vs config 0)"),
+    ({"moe_experts": 0}, "another model shape (moe_experts: checkpoint 4 vs config 0)"),
+    ({"moe_top_k": 1}, "(moe_top_k: checkpoint 2 vs config 1): use the model config it was saved with (to change "
+                       "it, fine-tune from it with checkpoint.init_from)"),
+    ({"moe_router": "sigmoid"}, "(moe_router: checkpoint softmax vs config sigmoid)"),
+    ({"moe_norm_topk": False}, "(moe_norm_topk: checkpoint True vs config False)"),
+])
+def test_a_resume_with_another_moe_shape_or_routing_is_refused_in_one_line(tmp_path, change, named):
+    """The fields that shape an MoE are refused as another shape (it was a load_state_dict size
+    mismatch), the ones that route its tokens as a change of function, as rope_theta is (they were
+    taken silently): one line, before anything loads, the run dir as it was."""
+    _saved(tmp_path / "run", args=MOE)
+    before = run_dir_files(tmp_path / "run")
+    with pytest.raises(CheckpointError) as e:
+        manager(tmp_path / "run", resume="auto", args=dataclasses.replace(MOE, **change))
+    assert named in str(e.value) and "\n" not in str(e.value) and e.value.exit_code == 2, str(e.value)
+    assert run_dir_files(tmp_path / "run") == before
+
+
+def test_an_moes_balancing_may_change_on_a_resume_and_old_checkpoints_resume(tmp_path):
+    """moe_aux_loss, moe_z_loss and moe_bias_rate weigh losses and step the bias, no weight and no
+    forward: a resume may change them. A checkpoint written before meta.json recorded an MoE's fields
+    is read as its config.yaml says: it resumes as before, and a change of them is still refused;
+    a dense one's config.yaml had none of them (dense)."""
+    ckpt = _saved(tmp_path / "run", args=MOE)
+    run, _, start, _ = manager(tmp_path / "run", resume="auto",
+                               args=dataclasses.replace(MOE, moe_aux_loss=0.1, moe_z_loss=1e-3, moe_bias_rate=1e-3))
+    assert start.kind == "resume"
+    run.close(trained=True)
+
+    def unrecorded(meta):
+        for key in ("model_shape", "model_function"):
+            meta[key] = {k: v for k, v in meta[key].items() if not k.startswith("moe_")}
+
+    rewrite_meta(ckpt, unrecorded)
+    run, _, start, _ = manager(tmp_path / "run", resume="auto", args=MOE)
+    assert start.kind == "resume"
+    run.close(trained=True)
+    for change, named in (({"moe_experts": 8}, "moe_experts: checkpoint 4 vs config 8"),
+                          ({"moe_top_k": 1}, "moe_top_k: checkpoint 2 vs config 1")):
+        with pytest.raises(CheckpointError, match=named):
+            manager(tmp_path / "run", resume="auto", args=dataclasses.replace(MOE, **change))
+    dense = _saved(tmp_path / "dense")
+    rewrite_meta(dense, unrecorded)
+    (dense / "config.yaml").write_text("distributed: {zero_stage: 3}\n")  # (before the model was in it)
+    rewrite_file(dense, "config.yaml")
+    run, _, start, _ = manager(tmp_path / "dense", resume="auto")
+    assert start.kind == "resume"
+    run.close(trained=True)
+    with pytest.raises(CheckpointError, match="moe_experts: checkpoint 0 vs config 4"):
+        manager(tmp_path / "dense", resume="auto", args=dataclasses.replace(ARGS, n_layers=1, moe_experts=4))

@@ -78,10 +78,45 @@ def test_traffic_settings_are_checked():
     assert cfg.logging.comm_bytes and cfg.distributed.max_reuse_distance == 0
 
 
-@pytest.mark.parametrize("value", ["-1.0", "nan"])
-def test_checkpoint_every_minutes_must_be_a_number_from_zero(value):
-    with pytest.raises(ConfigError, match=f"checkpoint.every_minutes={value} must be a number >= 0"):
-        load_config(None, [f"checkpoint.every_minutes={value}"])
+def test_checkpoint_every_minutes_must_be_a_number_from_zero():
+    with pytest.raises(ConfigError, match="checkpoint.every_minutes=-1.0 must be a number >= 0"):
+        load_config(None, ["checkpoint.every_minutes=-1.0"])
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-.inf"])
+@pytest.mark.parametrize("field", ["model.moe_bias_rate", "model.moe_aux_loss", "model.moe_z_loss", "model.rope_theta",
+                                   "optimizer.weight_decay", "schedule.min_lr", "checkpoint.every_minutes",
+                                   "distributed.timeout_s", "resilience.spike_sigma", "data.sources[0].weight",
+                                   "scaling.budgets[0]"])
+def test_nan_and_inf_are_refused_in_every_float_field_in_one_line(field, value, capsys):
+    """Every float of every section (a source's, a list's items) is refused NaN and +-inf, in one line naming
+    it, exit 2: NaN passes each range check (`x < 0` is false), and model.moe_bias_rate=nan trained with exit 0
+    while the routing collapsed (no field is off or unlimited at inf: 0 says that)."""
+    override = {"data.sources[0].weight": f"data.sources=[{{path: 'builtin:python-docs', weight: {value}}}]",
+                "scaling.budgets[0]": f"scaling.budgets=[{value}]"}.get(field, f"{field}={value}")
+    assert main(["config", "show", str(CONFIGS[0]), "model.moe_experts=4", override]) == 2
+    shown = {"nan": "nan", "inf": "inf", "-.inf": "-inf"}[value]
+    assert capsys.readouterr().err == f"pretrain: error: {field}={shown}: must be finite numbers\n"
+
+
+def test_a_nan_coefficient_and_an_eot_id_outside_the_vocabulary_stop_a_run_before_it_starts(tmp_path):
+    """`pretrain train`: model.moe_bias_rate=nan (it trained, exit 0) and model.eot_id past the 4096-token
+    vocabulary the tokenizer gives (it trained as without the mask: no token matched) are one line, exit 2,
+    before a step; so is an id below the -1 that means the tokenizer's."""
+    from helpers import run_train
+
+    for bad, named in ((["model.moe_experts=4", "model.moe_bias_rate=nan"], "model.moe_bias_rate=nan: must be finite"),
+                       (["model.document_mask=true", "model.eot_id=999999"],
+                        "model.eot_id=999999 is not a token of the vocabulary (model.vocab_size=4096)"),
+                       (["model.document_mask=true", "model.eot_id=-2"], "model.eot_id=-2 is not a token")):
+        run = tmp_path / bad[-1]
+        proc = run_train([*bad, "logging.wandb=disabled", f"train.run_dir={run}"], check=False)
+        errors = [x for x in proc.stderr.splitlines() if x.startswith("pretrain: error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and named in errors[0], proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr and not (run / "metrics.jsonl").exists()
+    with pytest.raises(ConfigError, match="model.eot_id=256 is not a token of the vocabulary .model.vocab_size=256."):
+        load_config(None, ["model.vocab_size=256", "model.document_mask=true", "model.eot_id=256"])
+    assert load_config(None, ["model.vocab_size=256", "model.document_mask=true", "model.eot_id=255"])
 
 
 def test_odd_head_dim_for_rope():

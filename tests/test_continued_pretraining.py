@@ -447,3 +447,52 @@ def test_continued_pretraining_from_a_mixtral(tmp_path):
     assert resolved["moe_experts"] == 4 and resolved["moe_aux_loss"] == 0.02
     first = next(r for r in read_metrics(run) if "train/loss" in r)
     assert first["train/loss"] < math.log(vocab) + 1
+
+
+def _mixtral_dir(path: Path, **config) -> Path:
+    """A small random Mixtral saved by transformers (one file), with our builtin tokenizer."""
+    from tokenizers import Tokenizer
+
+    cfg = transformers.MixtralConfig(**{
+        "vocab_size": Tokenizer.from_file(str(BUILTIN_TOKENIZER)).get_vocab_size(), "hidden_size": 64,
+        "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None,
+        **config})
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(cfg).float().save_pretrained(path)
+    shutil.copy(BUILTIN_TOKENIZER, path / "tokenizer.json")
+    return path
+
+
+@pytest.mark.parametrize("change,named", [
+    ("train.mlp_chunk_tokens=64", "model.moe_experts=4 with train.mlp_chunk_tokens"),
+    ("distributed.tensor_parallel=2", "model.moe_experts=4 with distributed.tensor_parallel > 1"),
+    ("distributed.expert_parallel=3 distributed.zero_stage=3", "distributed.expert_parallel=3 does not divide model.moe_experts=4"),
+    ("train.precision=fp16", "model.moe_experts=4 with train.precision=fp16"),
+])
+def test_an_hf_mixtral_gets_the_checks_of_a_native_moe(tmp_path, change, named):
+    """The config checks run on the model that will be trained: continuing a Mixtral (the run config
+    has no model.moe_experts) is refused where a native MoE config is, in one line (mlp_chunk_tokens
+    was accepted and ignored, tensor_parallel passed the check); expert_parallel=2 is accepted (it
+    was refused: "needs a Mixture-of-Experts model"; tests/test_expert_parallel.py trains it)."""
+    src = _mixtral_dir(tmp_path / "mixtral")
+    proc = run_train(SMALL + [f"checkpoint.init_from={src}", f"data.tokenizer={src}", *change.split(),
+                              f"train.run_dir={tmp_path / 'run'}"], check=False, config=CONTINUE)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("pretrain: error:")]
+    # (with one rank, tensor_parallel=2 is also refused for the world size, in a line of its own)
+    assert proc.returncode == 2 and any(named in line for line in lines) and "Traceback" not in proc.stderr, lines
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_a_mixtral_config_the_model_cannot_take_is_one_line(tmp_path, command):
+    """num_experts_per_tok: 5 with 4 experts ended `pretrain train` and `pretrain eval` in a traceback."""
+    src = _mixtral_dir(tmp_path / "mixtral")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_experts_per_tok"] = 5
+    (src / "config.json").write_text(json.dumps(cfg))
+    args = {"train": ["train", str(CONTINUE), *SMALL, f"checkpoint.init_from={src}", f"data.tokenizer={src}",
+                      f"train.run_dir={tmp_path / 'run'}"],
+            "eval": ["eval", str(src), "--data", "builtin:python-docs"]}[command]
+    line = one_error_line(pretrain_cmd(*args, check=False))
+    assert "num_experts_per_tok=5 must be between 1 and num_local_experts=4" in line, line

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import losses, pretrain, read_metrics, run_train
+from helpers import losses, pretrain, read_metrics, run_dir_files, run_train
 
 MOE = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_hidden_dim=64", "model.moe_shared_experts=1",
        "model.moe_dense_layers=1", "model.moe_z_loss=0.001"]
@@ -338,3 +338,26 @@ def test_fine_tuning_from_an_moe_checkpoint_carries_its_routers_biases(user_path
     before, after = bias(user_path / "checkpoints" / "step_00000006"), bias(run / "checkpoints" / "step_00000001")
     assert before.abs().max() > 0
     torch.testing.assert_close((after - before).abs(), torch.full_like(before, 0.001), rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_moe_shape_or_routing_is_one_line(tmp_path):
+    """A resume that changes a field shaping the MoE (moe_hidden_dim: a load_state_dict size-mismatch
+    traceback, exit 1) or routing its tokens (moe_top_k: taken silently, config.yaml rewritten) is one
+    line, exit 2, before anything loads, the run dir as it was; its balancing coefficient may change."""
+    run = tmp_path / "run"
+    common = [*MOE, "model.n_layers=2", "data.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=2",
+              "logging.wandb=disabled", "data.validation=[]", "train.eval_every=0", "schedule.warmup_steps=1",
+              "distributed.zero_stage=0", "data.num_streams=1", f"train.run_dir={run}"]
+    run_train(common + ["train.max_steps=1"])
+    before = run_dir_files(run)
+    for change, named in (("model.moe_hidden_dim=32", "another model shape (moe_expert_hidden_dim: checkpoint 64 vs "
+                                                      "config 32)"),
+                          ("model.moe_top_k=1", "(moe_top_k: checkpoint 2 vs config 1)")):
+        proc = run_train(common + ["train.max_steps=2", "checkpoint.resume=auto", change], check=False)
+        errors = [x for x in proc.stderr.splitlines() if x.startswith("pretrain: error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and named in errors[0], proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+        assert run_dir_files(run) == before, change
+    run_train(common + ["train.max_steps=2", "checkpoint.resume=auto", "model.moe_z_loss=0.01"])
+    assert sorted(losses(run)) == [1, 2]

@@ -269,6 +269,23 @@ def test_coordinate_check_bad_input(tmp_path, args, message):
     assert len([x for x in proc.stderr.splitlines() if x.strip()]) == 1
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU `pretrain train` runs these")
+@pytest.mark.parametrize("refused", ["train.precision=fp8", "train.precision=fp16"])
+def test_coordinate_check_refuses_the_precision_train_refuses_in_its_line(tmp_path, refused):
+    """On a CPU `pretrain train` refuses fp8 without train.fp8_emulate (no float8 matmuls) and fp16:
+    the check refuses them by the same check (parallelize.resolve_precision), in the same one line,
+    exit 2 (fp8 measured an fp32 model with no float8 layer, exit 0, saying nothing)."""
+    def error_lines(proc):
+        return [x for x in proc.stderr.splitlines() if x.startswith("pretrain:")]
+
+    check = pretrain(["mup", "check", str(TINY), refused, "--widths", "64,128", "--steps", "1", "--seeds", "1"],
+                     check=False)
+    train = run_train([refused, "logging.wandb=disabled", f"train.run_dir={tmp_path}"], check=False)
+    assert check.returncode == train.returncode == 2, (check.stderr[-2000:], train.stderr[-2000:])
+    assert error_lines(check) == error_lines(train) and len(error_lines(check)) == 1, (check.stderr, train.stderr)
+    assert refused in error_lines(check)[0] and "Traceback" not in check.stderr + train.stderr
+
+
 LR_SWEEP = ["train.max_steps=30", "data.seq_len=64", "train.micro_batch_size=8", "train.eval_every=0",
             "train.eval_batches=2", "schedule.warmup_steps=3", "logging.wandb=disabled", "logging.progress=false"]
 

@@ -589,6 +589,57 @@ def test_rotation_keeps_the_checkpoint_a_rollback_needs(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000025", "step_00000030"]
 
 
+# One rank, a WSD-S branch from step 8 to 16 in a run of 20 (ROLLBACK's spike settings; sigma 50:
+# only the injected x1000 spikes count, not a short history's noise).
+BRANCH = SPIKY + ["train.max_steps=20", "schedule.kind=wsd", "schedule.decay_fraction=0.5",
+                  "schedule.decay_points=[16]", "train.eval_batches=1", "train.eval_every=0",
+                  "resilience.spike_warmup=5", "resilience.spike_sigma=50", "resilience.rollback_after=3",
+                  "resilience.rollback_window=5", "resilience.rollback_skip_batches=2"]
+
+
+@pytest.mark.slow
+def test_spikes_in_a_decay_branch_roll_back_within_it(tmp_path):
+    """Spikes at steps 10, 11 and 12, inside the branch, roll it back to its start (step 8) and skip
+    2 batches before step 10; step 14's spike, on its second pass, is dropped. The stable phase's
+    spike at step 7 is not the branch's (with it, 7-11 would roll back to before the branch). The
+    branch and the stable phase equal those of a run told to skip those batches with the same spikes
+    at 7 and 14 (bitwise); its record says 1 step was dropped and averages the applied steps only
+    (the old branch applied 5 of 8 updates, never rolled back, and averaged the x1000 losses in)."""
+    run, told = tmp_path / "run", tmp_path / "told"
+    proc = run_train(BRANCH + [f"train.run_dir={run}"],
+                     env={"PRETRAIN_FAULT": "spike@step=7;spike@step=10;spike@step=11;spike@step=12;spike@step=14"})
+    run_train(BRANCH + ["resilience.skip_batches=[[10,2]]", f"train.run_dir={told}"],
+              env={"PRETRAIN_FAULT": "spike@step=7;spike@step=14"})
+    assert "warning: step 7 is a spike" in proc.stdout
+    assert "warning: 3 spikes in steps 10-12: rolling back to step_00000008 and skipping 2 batches" in proc.stdout
+    assert [(r["step"], r["train/rollbacks"]) for r in read_metrics(run) if "train/rollbacks" in r] == [(8, 1)]
+    [branch] = [r for r in read_metrics(run) if "branch/end_step" in r]
+    [want] = [r for r in read_metrics(told) if "branch/end_step" in r]
+    assert branch == want and branch["step"] == 8 and branch["branch/dropped_steps"] == 1
+    assert branch["branch/train_loss"] < max(losses(run).values())  # (no x1000 loss averaged in)
+    assert losses(run) == losses(told) and sorted(losses(run)) == list(range(1, 21))
+
+
+def test_a_rollback_in_a_decay_branch_goes_back_to_its_start(tmp_path):
+    """In a branch from step 8, spikes at 13-15 go back to step 8's checkpoint, not to step 12's (of
+    the stable phase, after the branch's start: left by a run resumed from an older checkpoint)."""
+    from types import SimpleNamespace
+
+    from pretrain.config import ResilienceConfig
+    from pretrain.faults.spikes import Rollbacks
+
+    for step in (4, 8, 12):
+        (tmp_path / f"step_{step:08d}").mkdir()
+        (tmp_path / f"step_{step:08d}" / "meta.json").write_text(json.dumps({"step": step}))
+        (tmp_path / f"step_{step:08d}" / "manifest.json").write_text("{}")
+    aside = []
+    ckpt = SimpleNamespace(root=tmp_path, wait=lambda: None, set_aside_after=lambda path, tag: aside.append(path.name))
+    rollbacks = Rollbacks(ResilienceConfig(rollback_after=3), tmp_path, "run", False, 1)
+    assert rollbacks.spiked(13, ckpt, 8) is None and rollbacks.spiked(14, ckpt, 8) is None
+    assert rollbacks.spiked(15, ckpt, 8).name == "step_00000008" and aside == ["step_00000008"]
+    assert rollbacks.data_skips == {13: 200}
+
+
 def test_no_checkpoint_to_roll_back_to_names_the_cause(tmp_path):
     """Without a checkpoint before the spikes, the message says which setting is why: keep_last
     when checkpoints were due before the first spike (rotation removed them), else checkpoint.every."""

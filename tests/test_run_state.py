@@ -16,19 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, TINY, left_running, losses, pretrain, read_metrics, run_train, train_env
+from helpers import (REPO, TINY, left_running, losses, pretrain, read_metrics, run_dir_files, run_train,
+                     train_env)
 
 pytestmark = pytest.mark.slow
 
 O = ["data.seq_len=64", "train.micro_batch_size=4", "data.validation=[]", "train.eval_every=0",
      "logging.wandb=disabled", "logging.log_every=1", "distributed.zero_stage=3",
      "distributed.param_persistence_threshold=0"]
-
-
-def _tree(path: Path) -> dict:
-    """name -> bytes of every file under path but the lock (to show that nothing changed)."""
-    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
-            if p.is_file() and p.name != ".lock"}
 
 
 def _popen(overrides, **kw):
@@ -49,24 +44,24 @@ def test_a_fresh_run_refuses_a_dir_holding_another_run(tmp_path):
     FileNotFoundError, and resume=auto then continued the old run."""
     run = tmp_path / "x"
     run_train(O + [f"train.run_dir={run}", "train.max_steps=4", "checkpoint.every=2"])
-    before = _tree(run)
+    before = run_dir_files(run)
     again = O + [f"train.run_dir={run}", "train.max_steps=4", "checkpoint.every=2", "optimizer.lr=1e-3"]
     proc = run_train(again, check=False)
     assert proc.returncode == 2
     line = _one_error_line(proc)
     assert f"run dir {run} holds run" in line and "checkpoint.resume=auto" in line and "train.overwrite" in line
-    assert _tree(run) == before  # nothing written, nothing deleted
+    assert run_dir_files(run) == before  # nothing written, nothing deleted
     # An overwrite whose start then fails (its data is missing) puts the old run back: it was left
     # in replaced/ with an empty run dir.
     proc = run_train(again + ["train.overwrite=true", f"data.sources=[{{path: {tmp_path / 'missing.txt'}}}]"],
                      check=False)
     assert proc.returncode == 2 and "missing.txt" in _one_error_line(proc)
-    assert _tree(run) == before and not (run / "replaced").exists()
+    assert run_dir_files(run) == before and not (run / "replaced").exists()
     # An explicit overwrite moves the old run aside (never deletes it) and starts a new run.
     old_id = json.loads((run / "run.json").read_text())["run_id"]
     run_train(again + ["train.overwrite=true"])
     moved = run / "replaced" / old_id
-    assert _tree(moved) == before
+    assert run_dir_files(moved) == before
     new_id = json.loads((run / "run.json").read_text())["run_id"]
     assert new_id != old_id
     assert sorted(r["step"] for r in read_metrics(run) if "train/loss" in r) == list(range(1, 5))
@@ -203,11 +198,35 @@ def test_a_full_disk_during_a_save(tmp_path):
 
 def test_resume_from_an_older_checkpoint_does_not_repeat_steps(tmp_path):
     """Resumed from step 2 of a 4-step run: steps 3-4 are trained once more, logged once, and equal
-    the first run's (step 4's loss needs step 3's update with the restored Adam moments)."""
+    the first run's (step 4's loss needs step 3's update with the restored Adam moments). Before it,
+    resumes from step 2 that a start check refuses, each after the run dir was read (a precision
+    this machine cannot run, another data position, another model), end in one line and exit 2
+    having changed nothing: step 4 stays, `latest` names it, run.json, config.yaml and metrics.jsonl
+    are as they were. (Once: step 4 was set aside and `latest` rewritten before the precision was
+    checked, so the next resume=auto silently trained steps 3-4 again.)"""
     run_train(O + [f"train.run_dir={tmp_path}", "train.max_steps=4", "checkpoint.every=2", "checkpoint.keep_last=5"])
     ref = losses(tmp_path)
-    proc = run_train(O + [f"train.run_dir={tmp_path}", "train.max_steps=4", "checkpoint.every=2",
-                          f"checkpoint.resume={tmp_path}/checkpoints/step_00000002"])
+    before = run_dir_files(tmp_path)
+    older = [f"train.run_dir={tmp_path}", "train.max_steps=4", "checkpoint.every=2",
+             f"checkpoint.resume={tmp_path}/checkpoints/step_00000002"]
+    for change, named in (("train.precision=fp16", "train.precision=fp16 needs CUDA GPUs"),
+                          ("train.precision=fp8", "train.precision=fp8"),
+                          ("data.num_streams=2", "data.num_streams"),
+                          ("model.n_heads=2", "another model shape")):
+        proc = run_train(O + older + [change], check=False)
+        assert proc.returncode == 2 and named in _one_error_line(proc), (change, proc.stderr[-2000:])
+        assert run_dir_files(tmp_path) == before, change
+    # ZeRO stage 0 refuses a resume at another precision once the engine is built: still before the start changes anything
+    stage0 = tmp_path / "stage0"
+    run_train(O + [f"train.run_dir={stage0}", "distributed.zero_stage=0", "train.precision=fp32", "train.max_steps=2",
+                   "checkpoint.every=1"])
+    kept = run_dir_files(stage0)
+    proc = run_train(O + [f"train.run_dir={stage0}", "distributed.zero_stage=0", "train.precision=bf16",
+                          "train.max_steps=2", f"checkpoint.resume={stage0}/checkpoints/step_00000001"], check=False)
+    assert proc.returncode == 2 and "saved at ZeRO stage 0 in fp32" in _one_error_line(proc), proc.stderr[-2000:]
+    assert run_dir_files(stage0) == kept
+    shutil.rmtree(stage0)
+    proc = run_train(O + older)
     assert "step_00000004 is newer than the checkpoint resumed from" in proc.stdout
     steps = [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r]
     assert steps == [1, 2, 3, 4]  # once each
@@ -288,14 +307,14 @@ def test_overwrite_together_with_resume_is_one_config_line(tmp_path, one_step):
     config error before anything starts, and the run dir is left alone."""
     run = tmp_path / "run"
     shutil.copytree(one_step, run)
-    before = _tree(run)
+    before = run_dir_files(run)
     for resume in ("auto", str(run / "checkpoints" / "step_00000001")):
         proc = run_train(O + [f"train.run_dir={run}", "train.overwrite=true", f"checkpoint.resume={resume}"],
                          check=False)
         assert proc.returncode == 2
         assert _one_error_line(proc) == (f"pretrain: error: train.overwrite=true starts the run over, checkpoint.resume="
                                          f"{resume} continues it: set only one (a requeued job must never overwrite)")
-        assert _tree(run) == before and not (run / "replaced").exists()
+        assert run_dir_files(run) == before and not (run / "replaced").exists()
 
 
 FT = ["data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", "data.validation=[]",

@@ -617,3 +617,24 @@ def test_only_the_ends_of_a_run_and_its_decay_branches_are_points(tmp_path):
     points = ladder.collect([str(run)], "mine/acc")
     n = matmul_params(cfg.model)
     assert [(p.params, p.tokens, p.bpb, p.value) for p in points] == [(n, 4 * tokens, 3.0, 0.3), (n, 8 * tokens, 2.0, 0.2)]
+
+
+def test_a_decay_branch_that_dropped_updates_is_refused_by_the_fit(tmp_path, capsys):
+    """A branch to step 4 that dropped 1 of its updates (branch/dropped_steps: a spike not rolled back)
+    is not a run of 4 steps: `pretrain scaling fit` refuses it in one line, naming the branch; the
+    same run with the branch whole gives its 2 points. The old reader took it as a point."""
+    from pretrain.scaling import results
+
+    cfg = load_config(TINY, ["model.vocab_size=4096", "schedule.kind=wsd", "schedule.warmup_steps=1",
+                             "train.max_steps=8", "schedule.decay_points=[4]"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    for dropped in (0, 1):
+        records = [{"step": 2, "branch/end_step": 4, "branch/eval_loss": 3.0, "branch/dropped_steps": dropped},
+                   {"step": 8, "eval/loss": 2.0}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        if not dropped:
+            assert [p.loss for p in results.from_run(run)] == [3.0, 2.0]
+    assert main(["scaling", "fit", str(run)]) == 2
+    assert f"{run}: its decay branch to step 4 dropped 1 of its updates" in _one_error(capsys)

@@ -19,12 +19,16 @@ Layout of run_dir/checkpoints/:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
 
+import yaml
+
 from pretrain.checkpoint.rundir import sha256
 from pretrain.errors import CheckpointError
+from pretrain.model.args import ModelArgs
 
 
 FORMAT = 2  # meta.json "format"; bump when the layout changes, and say what reads older ones
@@ -33,14 +37,36 @@ FORMAT = 2  # meta.json "format"; bump when the layout changes, and say what rea
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
+# What each field of ModelArgs (pretrain/model/args.py) is to a checkpoint:
+# - its shape (SHAPE_FIELDS, every load, resume or fine-tuning: the weights would not fit): dim, n_layers,
+#   n_heads, n_kv_heads, vocab_size (and vocab_multiple_of, which only derives it), the SwiGLU width
+#   (ffn_hidden_dim, multiple_of, ffn_dim_multiplier: as hidden_dim), tie_embeddings; an MoE's
+#   moe_experts, moe_hidden_dim (as moe_expert_hidden_dim), moe_shared_experts and moe_dense_layers;
+# - its function (FUNCTION_FIELDS, a resume only; fine-tuning may change them): norm_eps, the RoPE
+#   settings, document masking, and which experts a token reaches with what weights: moe_top_k,
+#   moe_router, moe_norm_topk;
+# - its multipliers (parametrization, mup_base_dim, mup_base_layers, mup_base_head_dim): meta.json's
+#   model_parametrization, checked on every load (ModelArgs.parametrization_spec);
+# - free on a resume: preset (a name; its values are the fields), max_seq_len (the RoPE table's length:
+#   continue at a longer context), init_std (the init, which a resume does not run), mup_base_hidden_dim
+#   (w2's init and learning-rate multiplier: a training setting, as optimizer.lr is), and an MoE's
+#   balancing coefficients moe_aux_loss, moe_z_loss and moe_bias_rate: loss weights and a bias step
+#   size, no weight and no forward (the bias itself is in the checkpoint), which torchtitan
+#   (load_balance_coeff) and OLMo-core (lb_loss_weight, z_loss_weight) users tune between restarts.
+# An MoE's own fields are recorded for MoE models only (model_shape); moe_experts, 0 = dense, always.
+MOE_SHAPE_FIELDS = ("moe_experts", "moe_expert_hidden_dim", "moe_shared_experts", "moe_dense_layers")
+MOE_FUNCTION_FIELDS = ("moe_top_k", "moe_router", "moe_norm_topk")
+
 # Fields of the model shape that must match to load weights (init scale and presets may differ).
-SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "hidden_dim", "tie_embeddings")
+SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "hidden_dim", "tie_embeddings") \
+    + MOE_SHAPE_FIELDS
 
 
 # Fields that change what the model computes, not its shapes: a resume must keep them (it continues
 # one run); fine-tuning may change them (a larger rope_theta to extend the context, say).
 FUNCTION_FIELDS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                   "rope_original_max_seq_len", "document_mask", "document_positions", "eot_id")
+                   "rope_original_max_seq_len", "document_mask", "document_positions", "eot_id") \
+    + MOE_FUNCTION_FIELDS
 
 
 def step_dir_name(step: int) -> str:
@@ -86,11 +112,30 @@ def read_meta(ckpt: Path) -> dict:
     if not isinstance(fmt, int) or fmt > FORMAT:
         raise CheckpointError(f"checkpoint {ckpt} has format {fmt}, newer than this pretrain reads ({FORMAT}): "
                               "upgrade pretrain")
+    if isinstance(meta.get("model_shape"), dict) and "moe_experts" not in meta["model_shape"]:
+        _fill_moe_fields(ckpt, meta)
     return meta
 
 
+def _fill_moe_fields(ckpt: Path, meta: dict) -> None:
+    """A checkpoint written before meta.json recorded an MoE's fields: they are its config.yaml's
+    (the model as built, pretrain/train.py), a dense model's where that has none (written before
+    MoE existed), so that it resumes as before and is checked as a new one is."""
+    try:
+        model = (yaml.safe_load((ckpt / "config.yaml").read_text()) or {}).get("model")
+    except (OSError, yaml.YAMLError, AttributeError):
+        model = None
+    names = {f.name for f in dataclasses.fields(ModelArgs)}
+    args = ModelArgs(**{k: v for k, v in model.items() if k in names}) if isinstance(model, dict) else ModelArgs()
+    meta["model_shape"] = {**model_shape(args, MOE_SHAPE_FIELDS), **meta["model_shape"]}
+    if isinstance(meta.get("model_function"), dict):
+        meta["model_function"] = {**model_shape(args, MOE_FUNCTION_FIELDS), **meta["model_function"]}
+
+
 def model_shape(args, fields=SHAPE_FIELDS) -> dict:
-    return {f: getattr(args, f) for f in fields}
+    """`fields` of ModelArgs `args`; an MoE's own (all but moe_experts) only where it is one."""
+    return {f: getattr(args, f) for f in fields
+            if args.moe_experts or f not in MOE_SHAPE_FIELDS + MOE_FUNCTION_FIELDS or f == "moe_experts"}
 
 
 def _my_share(items: list, rank: int, world: int) -> list:

@@ -87,12 +87,19 @@ class CheckpointManager:
         self.pinned = lambda: None  # f() -> a step: rotation keeps the newest checkpoint before it (a rollback's)
         self.last_size = 0  # bytes of the newest checkpoint, for the free-space warning
         self.timings: dict[str, float] = {}  # verify_s, load_s of the start point (seconds)
+        # What `begin` changes in the run dir, decided by plan_start: the owner train.overwrite replaces,
+        # and the checkpoints set aside (folder, reason in its new name, why in the warning).
+        self._replacing: dict | None = None
+        self._aside: list[tuple[Path, str, str]] = []
 
     # ------------------------------------------------------------------ start point
     def plan_start(self) -> Start:
-        """Decide, verify and announce where this run starts; claim the run dir. Raises
+        """Decide, verify and announce where this run starts. Reads the run dir only: what the start
+        will change there (an earlier run replaced, newer or corrupt checkpoints set aside, run.json)
+        waits for `begin`, called once every other start check has passed too. Raises
         CheckpointError/RunDirError on every rank when it cannot start without losing data."""
         c = self.cfg
+        self._replacing, self._aside = None, []
         owner = distributed.on_main(self.run.owner)
         if c.resume == "auto":
             start = self._latest_good()
@@ -103,7 +110,8 @@ class CheckpointManager:
         if start is not None:
             if owner and owner.get("run_id") != start.run_id:
                 self._refuse_or_replace(owner, f"checkpoint {start.path} belongs to run {start.run_id}")
-            self._set_aside_newer(start)
+            corrupt = {ckpt for ckpt, _, _ in self._aside}  # (already set aside for that)
+            self._aside += [a for a in self._newer(start) if a[0] not in corrupt]
         else:  # a fresh start (or fine-tuning): this run must own the dir
             same_run_restart = c.resume == "auto" and owner is not None  # crashed before its first checkpoint
             traces = distributed.on_main(self.run.traces)
@@ -112,12 +120,27 @@ class CheckpointManager:
                 owner = None
             run_id = owner["run_id"] if same_run_restart and owner else new_run_id()
             start = self._finetune_start(run_id) if c.init_from else Start("fresh", run_id)
-        run_id = distributed.broadcast_object(start.run_id)
-        self.run.claim(run_id, self.provenance)
-        distributed.barrier()
+        start.run_id = distributed.broadcast_object(start.run_id)
         return start
 
+    def begin(self, start: Start) -> None:
+        """The start's checks all passed: make the run dir this run's (collective). train.overwrite
+        moves the earlier run's files to replaced/, the checkpoints the start leaves behind (corrupt
+        ones, and those newer than a resume's, another history) move to set_aside/, and run.json
+        names this run."""
+        if self._replacing is not None:
+            owner = self._replacing
+            dest = distributed.on_main(self.run.replace, owner.get("run_id", ""))
+            log.info("train.overwrite: moved the files of %s to %s (delete them when you no longer need them)",
+                     f"run {owner['run_id']}" if owner.get("run_id") else "another run", dest)
+        for ckpt, reason, why in self._aside:
+            self._set_aside(ckpt, reason)
+            log.warning("warning: %s %s: set aside in %s", ckpt.name, why, self.root / "set_aside")
+        self.run.claim(start.run_id, self.provenance)
+        distributed.barrier()
+
     def _refuse_or_replace(self, owner: dict, why: str, traces: list[str] | None = None) -> None:
+        """Refuse a start into a dir another run owns, unless train.overwrite (then `begin` replaces it)."""
         traces = traces if traces is not None else distributed.on_main(self.run.traces)
         what = f"run {owner['run_id']}" if owner.get("run_id") else "another run"
         held = f" ({', '.join(traces)})" if traces else ""
@@ -126,8 +149,7 @@ class CheckpointManager:
                 f"run dir {self.run.path} holds {what}{held}, and {why}: continue that run with "
                 f"checkpoint.resume=auto, set train.run_dir to another directory, or set train.overwrite=true "
                 f"to start over (its files are moved to {self.run.path / 'replaced'}/, not deleted)"))
-        dest = distributed.on_main(self.run.replace, owner.get("run_id", ""))
-        log.info("train.overwrite: moved the files of %s to %s (delete them when you no longer need them)", what, dest)
+        self._replacing = owner
 
     def _corruption(self, ckpt: Path) -> str | None:
         """Collective check of every file against the manifest (sha256 spread over ranks): None if
@@ -159,7 +181,7 @@ class CheckpointManager:
                   "(or export it and fine-tune from the export, which is sp)"))
         if diff:
             what = "model shape" if any(d.split(":")[0] in SHAPE_FIELDS for d in diff) \
-                else "model (RoPE, norm, document masking)"
+                else "model (RoPE, norm, document masking, MoE routing)"
             raise collective(CheckpointError(f"checkpoint {ckpt} has another {what} ({'; '.join(diff)}): "
                                               "use the model config it was saved with"
                                               + ("" if what == "model shape" else " (to change it, fine-tune from "
@@ -213,9 +235,8 @@ class CheckpointManager:
                 continue
             meta = self._usable_meta(ckpt, optimizer=True, resume=True)
             for old, why in bad:
-                self._set_aside(old, "corrupt")
-                log.warning("warning: not resuming from %s: %s; it is moved to %s", old.name, why,
-                            self.root / "set_aside")
+                log.warning("warning: not resuming from %s: %s", old.name, why)
+                self._aside.append((old, "corrupt", "is corrupt"))
             log.info("resuming from %s (step %d)%s", ckpt, meta["step"],
                      f", the newest intact checkpoint of {len(folders)}" if bad else "")
             return Start("resume", meta["run_id"], ckpt, meta, meta["step"])
@@ -227,9 +248,10 @@ class CheckpointManager:
 
     def _finetune_start(self, run_id: str) -> Start:
         from pretrain.hf import hub
+        from pretrain.config import is_hf_model
 
         c = self.cfg
-        if hub.is_hf_model(c.init_from):
+        if is_hf_model(c.init_from):
             if c.init_load_optimizer or c.init_keep_step:
                 raise collective(CheckpointError(
                     f"checkpoint.init_from={c.init_from} is a Hugging Face model, which has weights only: "
@@ -245,16 +267,13 @@ class CheckpointManager:
         log.info("fine-tuning from %s (step %d)", ckpt, meta["step"])
         return Start("finetune", run_id, ckpt, meta, meta["step"] if c.init_keep_step else 0)
 
-    def _set_aside_newer(self, start: Start) -> None:
+    def _newer(self, start: Start) -> list[tuple[Path, str, str]]:
         """Resuming from an older checkpoint of this run dir: the newer ones are another history.
-        They move to set_aside/ (kept), so that rotation and later resumes never mix the two."""
+        `begin` moves them to set_aside/ (kept), so that rotation and later resumes never mix the two."""
         if start.path.parent.resolve() != self.root.resolve():
-            return
-        newer = [p for p in distributed.on_main(step_folders, self.root) if p.name > start.path.name]
-        for p in newer:
-            self._set_aside(p, f"after_{start.path.name}")
-            log.warning("warning: %s is newer than the checkpoint resumed from: set aside in %s", p.name,
-                        self.root / "set_aside")
+            return []
+        return [(p, f"after_{start.path.name}", "is newer than the checkpoint resumed from")
+                for p in distributed.on_main(step_folders, self.root) if p.name > start.path.name]
 
     def _set_aside(self, ckpt: Path, reason: str) -> None:
         if self.env.is_main:
@@ -316,13 +335,8 @@ class CheckpointManager:
         world size or tensor-parallel size through a universal conversion (pretrain/checkpoint/reshard.py)."""
         engine, ckpt = self.engine, start.path
         universal = start.universal(self.env)
-        saved_bf16 = any(ckpt.glob("bf16_*optim_states.pt"))  # (DeepSpeed names its files by precision)
-        if saved_bf16 != engine.bfloat16_enabled():
-            if self.zero_stage == 0:  # (stage 0's optimizer state is a different object in bf16 and fp32)
-                raise CheckpointError(
-                    f"checkpoint {ckpt} was saved at ZeRO stage 0 in {'bf16' if saved_bf16 else 'fp32'}, this run is "
-                    f"{'bf16' if engine.bfloat16_enabled() else 'fp32'}: resume at the saved precision (at ZeRO stage 0 "
-                    "the optimizer state differs between them; checkpoint.init_from loads the weights at any precision)")
+        self.check_precision(start, engine.bfloat16_enabled())
+        if _saved_bf16(ckpt) != engine.bfloat16_enabled():
             universal = True  # (stages 1-3: the fp32 master weights and moments, re-cut for this engine)
         groups = engine.optimizer.param_groups
         hyper = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in groups]
@@ -356,6 +370,17 @@ class CheckpointManager:
         for param, state in inner.state.items():
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone().to(param.device if on_device else "cpu")
+
+    def check_precision(self, start: Start, bf16: bool) -> None:
+        """Can the engine, bf16 or not, load `start`'s optimizer state? Raises CheckpointError if not:
+        a start checks it before `begin`."""
+        loads = start.kind == "resume" or start.kind == "finetune" and self.cfg.init_load_optimizer
+        if loads and self.zero_stage == 0 and _saved_bf16(start.path) != bf16:
+            # (stage 0's optimizer state is a different object in bf16 and fp32)
+            raise collective(CheckpointError(
+                f"checkpoint {start.path} was saved at ZeRO stage 0 in {'fp32' if bf16 else 'bf16'}, this run is "
+                f"{'bf16' if bf16 else 'fp32'}: resume at the saved precision (at ZeRO stage 0 the optimizer state "
+                "differs between them; checkpoint.init_from loads the weights at any precision)"))
 
     def _universal_dir(self, ckpt: Path) -> Path:
         """Convert `ckpt` to DeepSpeed's universal format (rank 0; cached), for another layout."""
@@ -583,3 +608,6 @@ class CheckpointManager:
             return None
 
 
+def _saved_bf16(ckpt: Path) -> bool:
+    """Whether `ckpt`'s optimizer state is DeepSpeed's bf16 optimizer's (it names its files so)."""
+    return any(ckpt.glob("bf16_*optim_states.pt"))

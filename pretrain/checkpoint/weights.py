@@ -31,10 +31,11 @@ def load_weights(model: torch.nn.Module, ckpt: Path, env: distributed.Dist, zero
     group per tensor-parallel rank, whose first ranks (0 .. tp-1, the first tensor-parallel group)
     each get the value from rank 0 first."""
     from pretrain.hf import hub
+    from pretrain.config import is_hf_model
 
     state = {}
     if env.is_main:
-        state = hub.LazyWeights(ckpt, model.args) if hub.is_hf_model(ckpt) else consolidated_state_dict(ckpt)
+        state = hub.LazyWeights(ckpt, model.args) if is_hf_model(ckpt) else consolidated_state_dict(ckpt)
     problem = _mismatch(model, state, ckpt) if env.is_main else None
     problem = distributed.broadcast_object(problem)
     if problem:

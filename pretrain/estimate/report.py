@@ -132,6 +132,7 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
     if a.fp8_speedup < 0:
         raise ConfigError(f"--fp8-speedup={a.fp8_speedup:g} must be > 0 (0 = the recipe's)")
     fp8 = a.precision == "fp8"
+    cfg = dataclasses.replace(cfg, model=args)  # (every check on the model estimated: an HF model's config.json)
     if fp8 and cfg.train.precision != "fp8":  # (--precision fp8: the layouts fp8 refuses are refused)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="fp8"))
     if cfg.problems():

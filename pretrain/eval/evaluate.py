@@ -182,9 +182,10 @@ def _eval(args, env) -> None:
     from pretrain.checkpoint.layout import open_checkpoint
     from pretrain.hf import hub
     from pretrain.hf.export import load_for_inference
+    from pretrain.config import is_hf_model
     from pretrain.parallel import distributed
 
-    is_hf = hub.is_hf_model(args.model)
+    is_hf = is_hf_model(args.model)
     path, meta = (hub.resolve(args.model), {}) if is_hf else distributed.agree(lambda: open_checkpoint(args.model))
     if args.tasks:
         # every rank reads the task files; one line for a bad one before the model is loaded

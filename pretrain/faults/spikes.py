@@ -104,8 +104,9 @@ class Rollbacks:
         recent = [s for s in self.recent_spikes if s > step - self.cfg.rollback_window]
         return recent[0] if recent else None
 
-    def spiked(self, step: int, ckpt) -> Path | None:
-        """Step `step` was a spike: None, or, when a rollback is due, the checkpoint to go back to,
+    def spiked(self, step: int, ckpt, newest: int | None = None) -> Path | None:
+        """Step `step` was a spike: None, or, when a rollback is due, the checkpoint to go back to
+        (none after step `newest`: in a decay branch, its start; later ones are the stable phase's),
         with the later checkpoints set aside and the ledger written (collective). Raises
         NonFiniteStep past max_rollbacks, or when no checkpoint before the spikes exists."""
         from pretrain.checkpoint.layout import complete_checkpoints, read_meta
@@ -119,7 +120,8 @@ class Rollbacks:
             raise NonFiniteStep(f"{spikes} after {self.rollbacks} rollbacks (resilience.max_rollbacks): the run is "
                                 "diverging; lower optimizer.lr, then resume with checkpoint.resume=auto")
         ckpt.wait()
-        before = [p for p in complete_checkpoints(ckpt.root) if read_meta(p)["step"] < first]
+        newest = first - 1 if newest is None else min(newest, first - 1)
+        before = [p for p in complete_checkpoints(ckpt.root) if read_meta(p)["step"] <= newest]
         if not before:
             c = ckpt.cfg
             why = (f"checkpoint rotation (checkpoint.keep_last={c.keep_last}) removed the ones before them: raise "

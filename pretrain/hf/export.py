@@ -18,7 +18,7 @@ import yaml
 from pretrain.checkpoint.layout import open_checkpoint
 from pretrain.checkpoint.reshard import persistent_buffers
 from pretrain.checkpoint.weights import consolidated_state_dict
-from pretrain.config import config_from_dict
+from pretrain.config import config_from_dict, is_hf_model
 from pretrain.errors import CheckpointError
 from pretrain.hf.mapping import fold_multipliers, mixtral_problems, rope_scaling, to_hf_config, to_hf_state_dict
 from pretrain.model.model import Transformer
@@ -91,7 +91,7 @@ def load_for_inference(path: str, device: str = "cpu", verified: bool = False):
     import data_pipeline as dp
     from pretrain.hf import hub
 
-    if hub.is_hf_model(path):
+    if is_hf_model(path):
         p = hub.resolve(str(path))
         args = hub.model_args(p)
         state = hub.LazyWeights(p, args).state_dict()

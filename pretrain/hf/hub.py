@@ -23,15 +23,6 @@ from pretrain.model.args import ModelArgs
 INDEX = "model.safetensors.index.json"
 
 
-def is_hf_model(spec: str | Path) -> bool:
-    """A `hub:NAME` or a directory holding a Hugging Face `config.json` (not one of our checkpoints)."""
-    spec = str(spec)
-    if spec.startswith("hub:"):
-        return True
-    p = Path(spec).expanduser()
-    return (p / "config.json").is_file() and not (p / "meta.json").is_file()
-
-
 @functools.cache
 def resolve(spec: str) -> Path:
     """The local directory of a model: as given, or downloaded from the hub (config, safetensors,

@@ -155,7 +155,7 @@ def from_hf_dict(raw: dict) -> ModelArgs:
         scaling = dict(rope_scaling_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
                        rope_high_freq_factor=float(rope["high_freq_factor"]),
                        rope_original_max_seq_len=int(rope["original_max_position_embeddings"]))
-    return ModelArgs(
+    args = ModelArgs(
         dim=hidden,
         n_layers=raw["num_hidden_layers"],
         n_heads=heads,
@@ -171,6 +171,21 @@ def from_hf_dict(raw: dict) -> ModelArgs:
         **({"moe_experts": raw["num_local_experts"], "moe_top_k": raw.get("num_experts_per_tok", 2),
             "moe_hidden_dim": raw["intermediate_size"]} if model_type == "mixtral" else {}),
     )
+    problems = args.problems()  # (a shape the model cannot take: one line naming config.json's fields)
+    if problems:
+        named = "; ".join(problems)
+        for ours, theirs in _CONFIG_KEYS.items():
+            named = named.replace(f"model.{ours}=", f"{theirs}=")
+        raise ValueError(f"config.json: {named}")
+    return args
+
+
+# ModelArgs' fields as config.json names them (in from_hf_dict's refusals)
+_CONFIG_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+                "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "ffn_hidden_dim": "intermediate_size",
+                "max_seq_len": "max_position_embeddings", "init_std": "initializer_range",
+                "moe_experts": "num_local_experts", "moe_top_k": "num_experts_per_tok",
+                "moe_hidden_dim": "intermediate_size"}
 
 
 def _rename(sd: dict[str, torch.Tensor], top: dict[str, str], block: dict[str, str],

@@ -182,6 +182,11 @@ class ModelArgs:
                        "rope_high_freq_factor and rope_original_max_seq_len > 0")
         if self.init_std <= 0:
             out.append(f"model.init_std={self.init_std} must be positive")
+        # (vocab_size 0 is filled from the tokenizer: Config.validate checks the resolved model again)
+        if self.eot_id < -1 or self.vocab_size and self.eot_id >= self.vocab_size:
+            vocab = f" (model.vocab_size={self.vocab_size})" if self.vocab_size else ""
+            out.append(f"model.eot_id={self.eot_id} is not a token of the vocabulary{vocab}: give a token id from 0 "
+                       "to vocab_size - 1, or -1 for the tokenizer's end-of-text token (data.eot_token)")
         if self.document_positions and not self.document_mask:
             out.append("model.document_positions=true restarts positions per document, which only means something "
                        "with model.document_mask=true: set both")
@@ -204,8 +209,8 @@ class ModelArgs:
         if not 0 <= self.moe_dense_layers < self.n_layers:
             out.append(f"model.moe_dense_layers={self.moe_dense_layers} must be >= 0 and leave at least one of "
                        f"model.n_layers={self.n_layers} blocks to the experts")
-        if min(self.moe_aux_loss, self.moe_z_loss, self.moe_bias_rate) < 0:
-            out.append("model.moe_aux_loss, model.moe_z_loss and model.moe_bias_rate must be >= 0")
+        if not all(0 <= x < math.inf for x in (self.moe_aux_loss, self.moe_z_loss, self.moe_bias_rate)):  # (not NaN)
+            out.append("model.moe_aux_loss, model.moe_z_loss and model.moe_bias_rate must be finite and >= 0")
         if self.parametrization != "sp":
             out.append(f"model.parametrization={self.parametrization} with model.moe_experts: muP's rules for experts "
                        "are not derived here; use model.parametrization=sp")

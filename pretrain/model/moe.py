@@ -62,14 +62,16 @@ class Experts(nn.Module):
             h = F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets)) * torch._grouped_mm(
                 x, self.w3.transpose(-2, -1), offs=offsets)
             return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets)
-        out = []
-        for e, part in enumerate(x.split(counts.tolist())):
-            if part.numel():
-                out.append(F.linear(F.silu(F.linear(part, self.w1[e])) * F.linear(part, self.w3[e]), self.w2[e]))
-        if not out:  # (no rows here, under expert parallelism: the weights still get a (zero) gradient,
-            # so that every rank's ZeRO-3 reduces them alike)
-            return x.new_zeros(0, x.size(1)) + 0 * sum(w.sum() for w in (self.w1, self.w2, self.w3)).to(x.dtype)
-        return torch.cat(out)
+        sizes = counts.tolist()
+        # The experts without rows are skipped, unless no expert has any (under expert parallelism, a
+        # rank whose experts got no token): then the first runs over the empty rows, so that the
+        # output still depends on the rows and on the weights. Autograd then runs the backward of the
+        # all-to-all that brought the rows (the other ranks wait in it), and the weights get their
+        # (zero) gradient, which every rank's ZeRO reduces alike.
+        busy = [e for e, n in enumerate(sizes) if n] or [0]
+        parts = x.split(sizes)
+        return torch.cat([F.linear(F.silu(F.linear(parts[e], self.w1[e])) * F.linear(parts[e], self.w3[e]), self.w2[e])
+                          for e in busy])
 
 
 class MoE(nn.Module):

@@ -428,10 +428,27 @@ def apply_compile(engine, zero_stage: int) -> None:
     torchtitan does. DeepSpeed gathers and releases parameters in hooks on every submodule, kept out
     of graphs (torch.compiler.disable), so the model falls into pieces either way; per block it is
     fewer (tiny model with activation checkpointing: 3 graphs and 12 breaks against 5 and 22;
-    bench/bench_compile_graphs.py, docs/performance.md)."""
+    bench/bench_compile_graphs.py, docs/performance.md).
+
+    Under tensor parallelism the whole model's compile would also take in DeepSpeed's check that
+    the ranks of a group read the same batch (a forward pre-hook on the module, run once:
+    engine.py check_dataloader_inputs_same_across_ranks), whose code differs by rank: rank 0
+    broadcasts its batch, the others compare theirs with torch.equal. Traced, it breaks the graph
+    in different places on each rank, and the ranks' collectives (its all-reduce among them, traced
+    as a functional collective) stop lining up: gloo aborts ("Received data size doesn't match").
+    It runs eagerly instead (per block at ZeRO-3, it is never traced)."""
     if zero_stage < 3:
+        eager_batch_check(engine)
         engine.compile()
         return
     for block in engine.module.layers:
         block.compile()
     engine.module.output.compile()
+
+
+def eager_batch_check(engine) -> None:
+    """Keep DeepSpeed's tensor-parallel batch check (a forward pre-hook on the module, present under
+    tensor parallelism) out of the compiled module (torch.compiler.disable): apply_compile."""
+    handle, hooks = getattr(engine, "first_dataloader_check", None), engine.module._forward_pre_hooks
+    if handle is not None and handle.id in hooks:
+        hooks[handle.id] = torch.compiler.disable(hooks[handle.id])

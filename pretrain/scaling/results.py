@@ -6,6 +6,8 @@ A run's loss is its final `eval/loss`; a WSD-S run gives one point per decay bra
 (`branch/eval_loss`, logged at the branch's end) plus its own end. Only these ends are points: an
 evaluation in the middle of a run (train.eval_every) is taken before the rate has decayed, so it is
 not a point of the law (a decay branch's end step may even be a mid-run evaluation's step). A
+branch that dropped updates (`branch/dropped_steps`: spikes not rolled back, non-finite steps) is
+refused: its loss is of fewer updates than its tokens say. A
 run dir of a sweep keeps its planned budgets (`scaling.budgets` in its config), so run dirs and
 their sweep dir give the same points; other run dirs have no budget (grouped by 6 N D). A point
 given twice (a sweep dir and one of its run dirs) is counted once.
@@ -49,6 +51,11 @@ def run_values(run_dir: Path, keys: dict[str, tuple[str, str]], last_step: int) 
             continue
         values = {name: r.get(b if branch else e) for name, (e, b) in keys.items()}
         if all(v is not None for v in values.values()):
+            if r.get("branch/dropped_steps"):  # (its loss is of fewer updates than its tokens say)
+                raise FitError(f"{run_dir}: its decay branch to step {r['branch/end_step']} dropped "
+                               f"{r['branch/dropped_steps']} of its updates (spikes or non-finite steps), so it is "
+                               "not a point of the law: leave the run out, or rerun it with a lower optimizer.lr "
+                               "or resilience.rollback_after=1 (a spike then rolls back past its data)")
             out[int(r["branch/end_step"] if branch else r["step"])] = {k: float(v) for k, v in values.items()}
     return out
 

@@ -207,7 +207,7 @@ def test_activation_checkpointing_recomputes_the_same_loss_and_gradients():
     ({"moe_top_k": 5}, "model.moe_top_k=5 must be between 1 and model.moe_experts=4"),
     ({"moe_router": "relu"}, "model.moe_router='relu' is not one of softmax, sigmoid"),
     ({"moe_dense_layers": 2}, "leave at least one of model.n_layers=2 blocks"),
-    ({"moe_aux_loss": -1.0}, "must be >= 0"),
+    ({"moe_aux_loss": -1.0}, "must be finite and >= 0"),
     ({"parametrization": "mup", "mup_base_dim": 32}, "muP's rules for experts are not derived"),
 ])
 def test_an_impossible_moe_is_named(change, named):
