@@ -35,6 +35,7 @@ from pretrain.checkpoint.layout import (FORMAT, FUNCTION_FIELDS, SHAPE_FIELDS, c
                                        model_shape, read_meta, resolve_checkpoint, step_dir_name, step_folders)
 from pretrain.checkpoint.reshard import partitioned
 from pretrain.checkpoint.rundir import RunDir, fsync_dir, new_run_id, write_atomic
+from pretrain.config import is_hf_model
 from pretrain.errors import CheckpointError, RunDirError, collective
 from pretrain.parallel import distributed, expert_parallel
 
@@ -248,7 +249,6 @@ class CheckpointManager:
 
     def _finetune_start(self, run_id: str) -> Start:
         from pretrain.hf import hub
-        from pretrain.config import is_hf_model
 
         c = self.cfg
         if is_hf_model(c.init_from):

@@ -10,6 +10,7 @@ import torch
 
 from pretrain.checkpoint import reshard
 from pretrain.checkpoint.reshard import persistent_buffers
+from pretrain.config import is_hf_model
 from pretrain.errors import CheckpointError, collective
 from pretrain.parallel import distributed
 
@@ -31,7 +32,6 @@ def load_weights(model: torch.nn.Module, ckpt: Path, env: distributed.Dist, zero
     group per tensor-parallel rank, whose first ranks (0 .. tp-1, the first tensor-parallel group)
     each get the value from rank 0 first."""
     from pretrain.hf import hub
-    from pretrain.config import is_hf_model
 
     state = {}
     if env.is_main:
