@@ -185,6 +185,9 @@ class Config:
         Hugging Face checkpoint.init_from: its config.json defines the model, of which the `model`
         section holds the overrides until the start reads it (pretrain/build.py resolve_model) and
         checks the config that will train (`validate`)."""
+        bad = non_finite(self)
+        if bad:  # (alone: a NaN passes every comparison below)
+            return bad
         m = self.model if model else None
         out = (m.problems() if m else []) + self.data.problems()
         t, s = self.train, self.schedule
@@ -533,8 +536,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
         else:
             raw["model"] = {**PRESETS[preset], **model}
     cfg = _build(Config, raw, "", errors)
-    if not errors:  # (a NaN passes every comparison of problems(): it is refused before them, alone)
-        errors = non_finite(cfg) or cfg.problems(world_size, model=not is_hf_model(cfg.checkpoint.init_from))
+    if not errors:
+        errors = cfg.problems(world_size, model=not is_hf_model(cfg.checkpoint.init_from))
     if errors:
         raise ConfigError(errors)
     cfg.train.run_dir = os.path.abspath(cfg.train.run_dir)  # the default too

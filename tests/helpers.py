@@ -303,6 +303,11 @@ def losses(run_dir: Path) -> dict[int, float]:
     return out
 
 
+def losses_and_norms(run_dir: Path) -> dict[int, tuple[float, float]]:
+    """step -> (train/loss, train/grad_norm) of every training record."""
+    return {r["step"]: (r["train/loss"], r["train/grad_norm"]) for r in read_metrics(run_dir) if "train/loss" in r}
+
+
 def tokens_drawn_are_tokens_seen(run_dir: Path) -> None:
     """data/tokens/* of every training record add up to tokens_seen: each sequence counted once, not
     once per rank of a sequence- or tensor-parallel group that reads it."""

@@ -509,7 +509,7 @@ MUTANTS = [
            "`pretrain scaling fit` takes a decay branch that dropped updates as a point of the law",
            "tests/test_scaling.py::test_a_decay_branch_that_dropped_updates_is_refused_by_the_fit"),
     mutant("config-nonfinite-passes", "pretrain/config.py",
-           "errors = non_finite(cfg) or cfg.problems(", "errors = cfg.problems(",
+           "        bad = non_finite(self)\n", "        bad = []\n",
            "NaN or inf in a config field (model.moe_bias_rate=nan, a source's weight=inf) passes the config check and trains",
            "tests/test_config.py::test_nan_and_inf_are_refused_in_every_float_field_in_one_line"),
     mutant("eot-id-outside-the-vocabulary", "pretrain/model/args.py",

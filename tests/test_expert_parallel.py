@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, TINY, losses, read_metrics, rewrite_file, run_train
+from helpers import REPO, TINY, losses, losses_and_norms, read_metrics, rewrite_file, run_train
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -50,10 +50,6 @@ def zero_router_mixtral(path: Path, experts: int, top_k: int) -> Path:
     return path
 
 
-def _metrics(run: Path) -> dict[int, tuple[float, float]]:
-    return {r["step"]: (r["train/loss"], r["train/grad_norm"]) for r in read_metrics(run) if "train/loss" in r}
-
-
 def _one_sided(run: Path, steps: int | None = None) -> None:
     """The first `steps` logged steps (all: None) had every routed token on the same experts."""
     records = [r for r in read_metrics(run) if "train/loss" in r][:steps]
@@ -77,7 +73,7 @@ def test_a_rank_whose_experts_get_no_token_trains_as_one_holding_every_expert(tm
     src = zero_router_mixtral(tmp_path / "mixtral", experts=2, top_k=1)
     for name, ep in (("ep1", 1), ("ep2", 2)):
         _train(src, tmp_path / name, ["distributed.zero_stage=3", f"distributed.expert_parallel={ep}"])
-    want, got = _metrics(tmp_path / "ep1"), _metrics(tmp_path / "ep2")
+    want, got = losses_and_norms(tmp_path / "ep1"), losses_and_norms(tmp_path / "ep2")
     _one_sided(tmp_path / "ep2", steps=1)
     assert sorted(want) == sorted(got) == [1, 2, 3]
     for step in want:
@@ -121,7 +117,7 @@ def test_empty_ranks_at_every_zero_stage_and_on_the_users_path(tmp_path):
     for name, (src, moe, extra) in runs.items():
         _train(src, tmp_path / name, moe + extra, hf=False)
     for name, reference in (("e2_z1", "e2_ep1"), ("e2_z2", "e2_ep1"), ("e2_z3", "e2_ep1"), ("e4_ep2", "e4_ep1")):
-        want, got = _metrics(tmp_path / reference), _metrics(tmp_path / name)
+        want, got = losses_and_norms(tmp_path / reference), losses_and_norms(tmp_path / name)
         _one_sided(tmp_path / name)
         assert sorted(want) == sorted(got) == [1, 2, 3], name
         for step in want:

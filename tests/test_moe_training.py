@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import losses, pretrain, read_metrics, run_dir_files, run_train
+from helpers import losses, losses_and_norms, pretrain, read_metrics, run_dir_files, run_train
 
 MOE = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_hidden_dim=64", "model.moe_shared_experts=1",
        "model.moe_dense_layers=1", "model.moe_z_loss=0.001"]
@@ -35,7 +35,7 @@ def user_path(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_moe_trains_on_the_users_path_with_its_metrics(user_path):
+def test_moe_trains_on_the_users_path_with_itslosses_and_norms(user_path):
     """Every logged step has the moe/ metrics (loads per MoE block, losses, entropy, the bias's
     range); the bias moved; train/loss is the cross-entropy (the aux losses left out) and falls; the
     WSD-S branch ran and the run came back from it."""
@@ -158,10 +158,6 @@ EP = ["data.seq_len=64", "train.global_batch_size=8", "train.max_steps=4", "logg
       "model.moe_aux_loss=0.5"]
 
 
-def _metrics(run) -> dict[int, tuple[float, float]]:
-    return {r["step"]: (r["train/loss"], r["train/grad_norm"]) for r in read_metrics(run) if "train/loss" in r}
-
-
 @pytest.mark.slow
 def test_expert_parallelism_trains_as_every_rank_holding_every_expert(tmp_path):
     """4 ranks, fp32, ZeRO-3: expert_parallel=2 (two experts per rank) and 4 (one), and 2 with
@@ -187,15 +183,15 @@ def test_expert_parallelism_trains_as_every_rank_holding_every_expert(tmp_path):
     # it, as on GPUs: there 1e-4)
     from deepspeed.runtime.zero.muon.original_muon import ns_compute_dtype
 
-    muon1, muon2 = _metrics(tmp_path / "muon1"), _metrics(tmp_path / "muon2")
+    muon1, muon2 = losses_and_norms(tmp_path / "muon1"), losses_and_norms(tmp_path / "muon2")
     bound = 1e-6 if ns_compute_dtype("gram") == torch.float32 else 1e-4
-    assert sorted(muon2) == [1, 2, 3, 4] and muon1[4][0] != _metrics(tmp_path / "ep1")[4][0]
+    assert sorted(muon2) == [1, 2, 3, 4] and muon1[4][0] != losses_and_norms(tmp_path / "ep1")[4][0]
     for step in muon1:
         assert muon2[step] == pytest.approx(muon1[step], rel=bound), (step, muon1, muon2)
-    want = _metrics(tmp_path / "ep1")
+    want = losses_and_norms(tmp_path / "ep1")
     assert sorted(want) == [1, 2, 3, 4]
     for name in [*(r for r in runs if not r.startswith("muon")), "to_ep4", "to_one"]:
-        got = _metrics(tmp_path / name)
+        got = losses_and_norms(tmp_path / name)
         assert sorted(got) == ([3, 4] if name.startswith("to_") else [1, 2, 3, 4]), name
         for step in got:
             assert got[step] == pytest.approx(want[step], rel=1e-6), (name, step, want, got)
@@ -246,12 +242,12 @@ def test_expert_parallelism_at_zero_1_and_2_trains_as_every_rank_holding_every_e
         shutil.copytree(tmp_path / source / step2, tmp_path / where / step2)
         run_train(common + ["train.micro_batch_size=2", *extra, "checkpoint.resume=auto",
                             f"train.run_dir={tmp_path / where}"], nproc=nproc)
-    want, ep2 = _metrics(tmp_path / "ep1"), _metrics(tmp_path / "ep2")
+    want, ep2 = losses_and_norms(tmp_path / "ep1"), losses_and_norms(tmp_path / "ep2")
     assert sorted(want) == [1, 2, 3, 4]
-    assert _metrics(tmp_path / "same") == {3: ep2[3], 4: ep2[4]}
-    bf16 = _metrics(tmp_path / "bf16ep2")
-    assert _metrics(tmp_path / "bf16same") == {3: bf16[3], 4: bf16[4]}
-    for step, (loss, _) in _metrics(tmp_path / "bf16ep1").items():
+    assert losses_and_norms(tmp_path / "same") == {3: ep2[3], 4: ep2[4]}
+    bf16 = losses_and_norms(tmp_path / "bf16ep2")
+    assert losses_and_norms(tmp_path / "bf16same") == {3: bf16[3], 4: bf16[4]}
+    for step, (loss, _) in losses_and_norms(tmp_path / "bf16ep1").items():
         assert bf16[step][0] == pytest.approx(loss, rel=1e-4), (step, bf16)
     # (Adam's first steps move a weight by about the rate, 3e-4, either way, so a gradient near 0 in
     # bf16 may go the other way: 4.4e-4 apart at most here; experts read in the wrong order, 0.1)
@@ -259,7 +255,7 @@ def test_expert_parallelism_at_zero_1_and_2_trains_as_every_rank_holding_every_e
     for name in whole:
         torch.testing.assert_close(whole[name], reference[name], rtol=0, atol=2e-3, msg=name)
     for name in ["ep2", "ep4", "ep2sp2", "to_ep4", "to_one", "from_ep1"]:
-        got = _metrics(tmp_path / name)
+        got = losses_and_norms(tmp_path / name)
         assert sorted(got) == ([3, 4] if name.startswith(("to_", "from_")) else [1, 2, 3, 4]), name
         for step in got:
             assert got[step] == pytest.approx(want[step], rel=1e-6), (name, step, want, got)

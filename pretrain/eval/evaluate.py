@@ -180,9 +180,9 @@ def eval_cli(args) -> None:
 
 def _eval(args, env) -> None:
     from pretrain.checkpoint.layout import open_checkpoint
+    from pretrain.config import is_hf_model
     from pretrain.hf import hub
     from pretrain.hf.export import load_for_inference
-    from pretrain.config import is_hf_model
     from pretrain.parallel import distributed
 
     is_hf = is_hf_model(args.model)
