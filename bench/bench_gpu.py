@@ -98,7 +98,7 @@ def run_loop(a, preset: str, micro: int, ac: int, compile_: bool, kind: str) -> 
     import torch
     import torch.nn.functional as F
 
-    import pretrain.model.model as model_module
+    import pretrain.model.attention as model_module
 
     from pretrain.hf.mapping import to_hf_config
     from pretrain.model.args import PRESETS, ModelArgs

@@ -310,6 +310,10 @@ class Config:
                 if size % tp:
                     out.append(f"distributed.tensor_parallel={tp} does not divide {name}={size}: each rank holds "
                                f"1/{tp} of it (use one of {_divisor_hint(size)})")
+            lacking = [f"model.{k}={getattr(m, k)}" for k, off in TP_LACKS if m and getattr(m, k) != off]
+            if lacking:
+                out.append(f"distributed.tensor_parallel={tp} does not split {', '.join(lacking)} yet (weights shared by "
+                           "the heads it splits): use distributed.sequence_parallel, or tensor_parallel=1")
             if sp > 1:
                 out.append("distributed.tensor_parallel and distributed.sequence_parallel do not combine yet (both "
                            "would take each node's consecutive ranks): use one of them")
@@ -372,6 +376,12 @@ class Config:
                 f"global batch of {gb} sequences is not divisible by micro_batch_size {mb} x {what} "
                 f"{dp_size}: pick a global batch that is a multiple of {mb * dp_size}")
         return gb // (mb * dp_size)
+
+
+# The per-layer description's pieces that AutoTP's partition (pretrain/parallel/parallelize.py TP_SPLITS)
+# does not cover: q/k norms and sinks are shared by heads that it splits (their gradients would be each
+# rank's heads' only), the biases are not in the partition or the checkpoint converter. (field, its off value)
+TP_LACKS = (("qk_norm", "none"), ("attn_sinks", False), ("qkv_bias", False), ("attn_out_bias", False))
 
 
 def _choice(out: list[str], name: str, value, allowed: tuple) -> None:

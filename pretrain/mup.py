@@ -48,7 +48,8 @@ import torch
 from pretrain.config import Config, load_config
 from pretrain.errors import ConfigError, UserError
 from pretrain.model.args import ModelArgs
-from pretrain.model.model import Attention, Transformer, apply_rotary_emb
+from pretrain.model.attention import Attention
+from pretrain.model.model import Transformer
 from pretrain.optim.optimizer import build_optimizer, set_lr
 from pretrain.parallel.parallelize import resolve_precision
 
@@ -83,9 +84,7 @@ class Probe:
             if not self.active:
                 return
             x, freqs_cis = inputs[0], inputs[1]
-            B, T, _ = x.shape
-            q = apply_rotary_emb(module.wq(x).view(B, T, module.n_heads, module.head_dim), freqs_cis)
-            k = apply_rotary_emb(module.wk(x).view(B, T, module.n_kv_heads, module.head_dim), freqs_cis)
+            q, k, _ = module.qkv(x, freqs_cis)
             k = k.repeat_interleave(module.n_heads // module.n_kv_heads, dim=2)  # GQA: each query head's keys
             scale = module.scale or 1 / math.sqrt(module.head_dim)
             logits = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * scale  # (B, H, T, T)

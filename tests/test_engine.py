@@ -18,7 +18,8 @@ import deepspeed, torch
 from pretrain.parallel import distributed
 env = distributed.init("gloo")
 from pretrain.config import load_config
-from pretrain.model.model import Transformer, precompute_freqs_cis
+from pretrain.model.model import Transformer
+from pretrain.model.rope import precompute_freqs_cis
 from pretrain.parallel.parallelize import build_engine, build_model, deepspeed_config
 
 precision, stage = sys.argv[1], int(sys.argv[2])

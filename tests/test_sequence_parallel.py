@@ -202,7 +202,7 @@ def test_the_flex_attention_mask_equals_the_dense_one(monkeypatch, positions):
     """GPUs get FlexAttention's block mask, CPUs a dense boolean one: the same attention. Here both run
     on the CPU (FlexAttention eagerly, forward only: it has no backward on CPU), with GQA, documents
     of several lengths and, with `positions`, RoPE positions restarting in each document."""
-    import pretrain.model.model as m
+    import pretrain.model.attention as m
 
     args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=256,
                      document_mask=True, document_positions=positions, eot_id=0)

@@ -42,31 +42,40 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 #   n_heads, n_kv_heads, vocab_size (and vocab_multiple_of, which only derives it), the SwiGLU width
 #   (ffn_hidden_dim, multiple_of, ffn_dim_multiplier: as hidden_dim), tie_embeddings; an MoE's
 #   moe_experts, moe_hidden_dim (as moe_expert_hidden_dim), moe_shared_experts and moe_dense_layers;
+#   the blocks' weights: head_size (as head_dim), norm_placement, qk_norm, the biases and sinks;
 # - its function (FUNCTION_FIELDS, a resume only; fine-tuning may change them): norm_eps, the RoPE
 #   settings, document masking, and which experts a token reaches with what weights: moe_top_k,
-#   moe_router, moe_norm_topk;
+#   moe_router, moe_norm_topk; the layers' kinds and RoPE (layer_pattern, sliding_window,
+#   rope_local_theta, nope_period, rope_fraction), ffn_activation and embed_scale;
 # - its multipliers (parametrization, mup_base_dim, mup_base_layers, mup_base_head_dim): meta.json's
 #   model_parametrization, checked on every load (ModelArgs.parametrization_spec);
 # - free on a resume: preset (a name; its values are the fields), max_seq_len (the RoPE table's length:
 #   continue at a longer context), init_std (the init, which a resume does not run), mup_base_hidden_dim
 #   (w2's init and learning-rate multiplier: a training setting, as optimizer.lr is), and an MoE's
-#   balancing coefficients moe_aux_loss, moe_z_loss and moe_bias_rate: loss weights and a bias step
+#   balancing coefficients moe_aux_loss, moe_z_loss and moe_bias_rate, and the output z_loss: loss weights and a bias step
 #   size, no weight and no forward (the bias itself is in the checkpoint), which torchtitan
 #   (load_balance_coeff) and OLMo-core (lb_loss_weight, z_loss_weight) users tune between restarts.
 # An MoE's own fields are recorded for MoE models only (model_shape); moe_experts, 0 = dense, always.
 MOE_SHAPE_FIELDS = ("moe_experts", "moe_expert_hidden_dim", "moe_shared_experts", "moe_dense_layers")
 MOE_FUNCTION_FIELDS = ("moe_top_k", "moe_router", "moe_norm_topk")
 
+# The per-layer description's fields (docs/model.md): the weights it adds or removes are shape, the rest
+# function. Checkpoints written before it existed are Llama blocks: read_meta fills these fields in
+# with their defaults. z_loss, a loss weight, is free.
+RECIPE_SHAPE_FIELDS = ("head_dim", "norm_placement", "qk_norm", "qkv_bias", "attn_out_bias", "attn_sinks")
+RECIPE_FUNCTION_FIELDS = ("layer_pattern", "sliding_window", "rope_local_theta", "nope_period", "rope_fraction",
+                          "ffn_activation", "embed_scale")
+
 # Fields of the model shape that must match to load weights (init scale and presets may differ).
 SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "hidden_dim", "tie_embeddings") \
-    + MOE_SHAPE_FIELDS
+    + MOE_SHAPE_FIELDS + RECIPE_SHAPE_FIELDS
 
 
 # Fields that change what the model computes, not its shapes: a resume must keep them (it continues
 # one run); fine-tuning may change them (a larger rope_theta to extend the context, say).
 FUNCTION_FIELDS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                    "rope_original_max_seq_len", "document_mask", "document_positions", "eot_id") \
-    + MOE_FUNCTION_FIELDS
+    + MOE_FUNCTION_FIELDS + RECIPE_FUNCTION_FIELDS
 
 
 def step_dir_name(step: int) -> str:
@@ -114,7 +123,18 @@ def read_meta(ckpt: Path) -> dict:
                               "upgrade pretrain")
     if isinstance(meta.get("model_shape"), dict) and "moe_experts" not in meta["model_shape"]:
         _fill_moe_fields(ckpt, meta)
+    if isinstance(meta.get("model_shape"), dict) and "qk_norm" not in meta["model_shape"]:
+        _fill_recipe_fields(meta)
     return meta
+
+
+def _fill_recipe_fields(meta: dict) -> None:
+    """A checkpoint written before meta.json recorded the per-layer description: a Llama block's."""
+    shape = meta["model_shape"]
+    llama = ModelArgs(dim=shape.get("dim", 256), n_heads=shape.get("n_heads", 4))
+    meta["model_shape"] = {**model_shape(llama, RECIPE_SHAPE_FIELDS), **shape}
+    if isinstance(meta.get("model_function"), dict):
+        meta["model_function"] = {**model_shape(llama, RECIPE_FUNCTION_FIELDS), **meta["model_function"]}
 
 
 def _fill_moe_fields(ckpt: Path, meta: dict) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -11,7 +11,8 @@ class ModelArgs:
     preset: str = ""  # name from PRESETS applied before the fields set here ("" = none)
     dim: int = 256  # residual stream width (hidden size)
     n_layers: int = 4  # transformer blocks
-    n_heads: int = 4  # query heads; head_dim = dim // n_heads
+    n_heads: int = 4  # query heads
+    head_size: int = 0  # width of each attention head (0 = dim // n_heads; Qwen3, Gemma 3 set their own)
     n_kv_heads: int = 0  # key/value heads for grouped-query attention (0 = n_heads, i.e. MHA)
     vocab_size: int = 0  # embedding rows (0 = from the tokenizer, rounded up to vocab_multiple_of)
     vocab_multiple_of: int = 128  # padding of a tokenizer-derived vocab, for fast matmuls
@@ -29,6 +30,20 @@ class ModelArgs:
     document_positions: bool = False  # with document_mask: RoPE positions restart at 0 at each document
     eot_id: int = -1  # the token that separates packed documents (-1 = the tokenizer's, data.eot_token)
     tie_embeddings: bool = False  # share the token embedding and the LM head weights
+    # The per-layer description (docs/model.md, "One model, many recipes"); the defaults are Llama's.
+    norm_placement: str = "pre"  # pre: x + f(norm(x)) (Llama) | post: x + norm(f(x)) (OLMo 2) | sandwich: both (Gemma)
+    qk_norm: str = "none"  # RMSNorm of queries and keys before RoPE: none | head (each head: Qwen3, Gemma 3) | projection (all heads at once: OLMo 2)
+    qkv_bias: bool = False  # biases on wq, wk, wv (Qwen2)
+    attn_out_bias: bool = False  # a bias on wo (GPT-OSS)
+    attn_sinks: bool = False  # a learned sink logit per query head, a key of value zero every query sees (GPT-OSS)
+    sliding_window: int = 0  # tokens a local layer's query sees, itself included (0 = no local layers)
+    layer_pattern: list[str] = field(default_factory=list)  # attention kinds of blocks 0, 1, ..., repeated: global | local (empty = all global)
+    rope_local_theta: float = 0.0  # RoPE base of the local layers (0 = rope_theta; Gemma 3: 10k local, 1M global)
+    nope_period: int = 0  # blocks i with (i + 1) % nope_period == 0 have no RoPE (SmolLM3: 4; 0 = all have RoPE)
+    rope_fraction: float = 1.0  # share of each head's dimensions RoPE rotates, the first ones (partial rotary)
+    ffn_activation: str = "silu"  # the feed-forward gate's activation: silu (SwiGLU) | gelu_tanh (GeGLU, Gemma)
+    embed_scale: float = 1.0  # multiplier of the token embeddings (Gemma: sqrt(dim))
+    z_loss: float = 0.0  # output z-loss coefficient: loss += z_loss x mean logsumexp(logits)^2 (PaLM; OLMo 2: 1e-5)
     init_std: float = 0.02  # std of normal init; output projections use init_std / sqrt(2 * n_layers)
     parametrization: str = "sp"  # sp (standard) | mup (width transfer) | completep (width and depth): docs/mup.md
     mup_base_dim: int = 0  # mup/completep: the width whose hyperparameters were tuned (m = dim / this)
@@ -53,7 +68,36 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (even): head_dim x rope_fraction."""
+        return 2 * int(self.head_dim * self.rope_fraction / 2)
+
+    def layer_kind(self, i: int) -> str:
+        """Block i's attention: "global" (full causal) or "local" (a sliding window)."""
+        return self.layer_pattern[i % len(self.layer_pattern)] if self.layer_pattern else "global"
+
+    def layer_window(self, i: int) -> int:
+        """Block i's window in tokens (0 = full causal attention)."""
+        return self.sliding_window if self.layer_kind(i) == "local" else 0
+
+    def layer_rope(self, i: int) -> str:
+        """Which RoPE table block i reads: "global", "local" (its own base), or "" (no RoPE)."""
+        if self.nope_period and (i + 1) % self.nope_period == 0:
+            return ""
+        return "local" if self.layer_kind(i) == "local" and self.local_rope_table else "global"
+
+    @property
+    def local_rope_table(self) -> bool:
+        """Whether local layers rotate by a RoPE base of their own."""
+        return bool(self.rope_local_theta) and "local" in self.layer_pattern
+
+    @property
+    def windows(self) -> list[int]:
+        """The distinct windows of the blocks (0 = full), in block order."""
+        return list(dict.fromkeys(self.layer_window(i) for i in range(self.n_layers)))
 
     @property
     def hidden_dim(self) -> int:
@@ -168,11 +212,13 @@ class ModelArgs:
             out.append("model.n_kv_heads, model.vocab_size and model.ffn_hidden_dim must be >= 0")
         if out:
             return out
-        if self.dim % self.n_heads:
+        if self.head_size < 0:
+            out.append(f"model.head_size={self.head_size} must be >= 0 (0 = dim / n_heads)")
+        elif not self.head_size and self.dim % self.n_heads:
             out.append(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: "
-                       f"pick n_heads dividing dim")
+                       f"pick n_heads dividing dim, or set model.head_size")
         elif self.head_dim % 2:
-            out.append(f"head_dim = dim/n_heads = {self.head_dim} is odd; RoPE needs an even head_dim")
+            out.append(f"head_dim = {self.head_dim} is odd; RoPE needs an even head_dim")
         if self.n_heads % self.kv_heads:
             out.append(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads="
                        f"{self.n_kv_heads}: use a divisor of n_heads (e.g. {_divisor_hint(self.n_heads)})")
@@ -190,8 +236,35 @@ class ModelArgs:
         if self.document_positions and not self.document_mask:
             out.append("model.document_positions=true restarts positions per document, which only means something "
                        "with model.document_mask=true: set both")
+        out += self._recipe_problems()
         out += self._parametrization_problems()
         out += self._moe_problems()
+        return out
+
+    def _recipe_problems(self) -> list[str]:
+        """The per-layer description's own checks."""
+        out = []
+        _choice(out, "norm_placement", self.norm_placement, NORM_PLACEMENTS)
+        _choice(out, "qk_norm", self.qk_norm, QK_NORMS)
+        _choice(out, "ffn_activation", self.ffn_activation, ("silu", "gelu_tanh"))
+        if not isinstance(self.layer_pattern, list) or any(k not in LAYER_KINDS for k in self.layer_pattern):
+            out.append(f"model.layer_pattern={self.layer_pattern!r}: each entry is one of {', '.join(LAYER_KINDS)} "
+                       "(e.g. [local, local, local, global]; empty = every block global)")
+        elif "local" in self.layer_pattern and self.sliding_window <= 0:
+            out.append("model.layer_pattern has local layers but model.sliding_window is 0: give the window in tokens")
+        if self.sliding_window < 0 or self.sliding_window > self.max_seq_len:
+            out.append(f"model.sliding_window={self.sliding_window} must be between 0 and model.max_seq_len="
+                       f"{self.max_seq_len} (a window past the context is full attention: use 0 and global layers)")
+        elif self.sliding_window and "local" not in self.layer_pattern:
+            out.append(f"model.sliding_window={self.sliding_window} with no local layer in model.layer_pattern: "
+                       "name the local layers (e.g. model.layer_pattern=[local,global]) or set the window to 0")
+        if self.rope_local_theta < 0 or self.nope_period < 0:
+            out.append("model.rope_local_theta and model.nope_period must be >= 0")
+        if not 0 < self.rope_fraction <= 1 or not self.rotary_dim:
+            out.append(f"model.rope_fraction={self.rope_fraction} must be in (0, 1] and leave RoPE at least 2 of "
+                       f"head_dim={self.head_dim} dimensions")
+        if not self.embed_scale > 0 or self.z_loss < 0:
+            out.append(f"model.embed_scale={self.embed_scale} must be > 0 and model.z_loss={self.z_loss} >= 0")
         return out
 
     def _moe_problems(self) -> list[str]:
@@ -242,6 +315,14 @@ class ModelArgs:
 
 
 PARAMETRIZATIONS = ("sp", "mup", "completep")
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
+QK_NORMS = ("none", "head", "projection")
+LAYER_KINDS = ("global", "local")
+
+
+def _choice(out: list[str], name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        out.append(f"model.{name}={value!r} is not one of {', '.join(allowed)}")
 
 # The fields that only set the RoPE table, which no weight depends on: fine-tuning may change them
 # (continuing a checkpoint at a longer context: docs/long_context.md), and `pretrain eval` may score

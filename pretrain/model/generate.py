@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pretrain.model.model import KVCache, Transformer
+from pretrain.model.attention import KVCache
+from pretrain.model.model import Transformer
 
 
 def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.model.args import ModelArgs
+from pretrain.model.feedforward import ACTIVATIONS
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
@@ -49,8 +50,9 @@ class Experts(nn.Module):
     """E SwiGLU experts as stacked tensors: w1, w3 (E, H, D), w2 (E, D, H). A module of its own, as
     nn.Linear is, so that ZeRO-3 gathers its weights for its forward (under compile too)."""
 
-    def __init__(self, experts: int, dim: int, hidden: int):
+    def __init__(self, experts: int, dim: int, hidden: int, activation: str = "silu"):
         super().__init__()
+        self.act = ACTIVATIONS[activation]  # the gate's (model.ffn_activation)
         self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
@@ -59,7 +61,7 @@ class Experts(nn.Module):
         """Each expert's SwiGLU over its rows: x (n, D) sorted by expert, `counts` (E,) rows each."""
         if grouped_mm_available(x):
             offsets = counts.cumsum(0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets)) * torch._grouped_mm(
+            h = self.act(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets)) * torch._grouped_mm(
                 x, self.w3.transpose(-2, -1), offs=offsets)
             return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets)
         sizes = counts.tolist()
@@ -70,7 +72,7 @@ class Experts(nn.Module):
         # (zero) gradient, which every rank's ZeRO reduces alike.
         busy = [e for e, n in enumerate(sizes) if n] or [0]
         parts = x.split(sizes)
-        return torch.cat([F.linear(F.silu(F.linear(parts[e], self.w1[e])) * F.linear(parts[e], self.w3[e]), self.w2[e])
+        return torch.cat([F.linear(self.act(F.linear(parts[e], self.w1[e])) * F.linear(parts[e], self.w3[e]), self.w2[e])
                           for e in busy])
 
 
@@ -84,7 +86,7 @@ class MoE(nn.Module):
         self.sigmoid, self.norm_topk = args.moe_router == "sigmoid", args.moe_norm_topk
         self.aux_coef, self.z_coef = args.moe_aux_loss, args.moe_z_loss
         self.router = Router(D, E, bias=False)
-        self.experts = Experts(E, D, H)
+        self.experts = Experts(E, D, H, args.ffn_activation)
         self.shared = shared
         # Selection only (model.moe_bias_rate); fp32, in checkpoints (a resume selects as before).
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))

@@ -415,11 +415,14 @@ def check_rope_table(model: Transformer) -> None:
     rebuild from the weights, or they would run another model than the one trained. DeepSpeed has
     cast and built it in bf16 before (zero.Init's constructors, engine-level casts), so it is checked
     where training starts, not trusted."""
-    table, expected = model.freqs_cis, model.rope_table(model.freqs_cis.device)
-    if table.dtype != torch.float32 or not torch.equal(table, expected):
-        error = (table.float() - expected).abs().max().item()
-        raise RuntimeError(f"the RoPE table the engine holds is {table.dtype}, off the fp32 table by up to "
-                           f"{error:.3g}: positions would be wrong")
+    for local, table in ((False, model.freqs_cis), (True, model.freqs_cis_local)):
+        if table is None:
+            continue
+        expected = model.rope_table(table.device, local=local)
+        if table.dtype != torch.float32 or not torch.equal(table, expected):
+            error = (table.float() - expected).abs().max().item()
+            raise RuntimeError(f"the RoPE table the engine holds is {table.dtype}, off the fp32 table by up to "
+                               f"{error:.3g}: positions would be wrong")
 
 
 def apply_compile(engine, zero_stage: int) -> None:

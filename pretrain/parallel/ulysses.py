@@ -22,7 +22,8 @@ import functools
 import torch
 
 from pretrain.estimate.memory import kv_replication
-from pretrain.model.model import Attention, Transformer
+from pretrain.model.attention import Attention
+from pretrain.model.model import Transformer
 
 
 def apply(model: Transformer, group, size: int) -> None:
@@ -32,19 +33,23 @@ def apply(model: Transformer, group, size: int) -> None:
 
     if size <= 1:
         return
+    rank = torch.distributed.get_rank(group)
     for attention in [m for m in model.modules() if isinstance(m, Attention)]:
         # scatter_idx=2: heads are split; gather_idx=1: the sequence is joined; batch first.
         exchange = DistributedAttention(attention.attend, group, scatter_idx=2, gather_idx=1)
         attention.attend = functools.partial(_exchanged, attention, exchange, attention.attend,
-                                             kv_replication(attention.n_kv_heads, size))
+                                             kv_replication(attention.n_kv_heads, size), rank, size)
 
 
-def _exchanged(attention: Attention, exchange, local, repeat: int, q, k, v, mask=None):
+def _exchanged(attention: Attention, exchange, local, repeat: int, rank: int, size: int, q, k, v, mask=None,
+               sinks=None):
     if not getattr(attention, "sequence_parallel", True):  # inside `local_attention`
-        return local(q, k, v, mask)
+        return local(q, k, v, mask, sinks)
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
-    return exchange(q, k, v, 0, None, mask)  # (batch_dim_idx=0, no rotary: RoPE is applied already)
+    if sinks is not None:  # the sinks of the heads this rank attends with: the rank-th of `size` equal parts
+        sinks = sinks.chunk(size)[rank]
+    return exchange(q, k, v, 0, None, mask, sinks)  # (batch_dim_idx=0, no rotary: RoPE is applied already)
 
 
 @contextlib.contextmanager

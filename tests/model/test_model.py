@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from pretrain.model.args import ModelArgs
-from pretrain.model.model import KVCache, Transformer, apply_rotary_emb, flops_per_token, num_params
+from pretrain.model.attention import KVCache
+from pretrain.model.model import Transformer, flops_per_token, num_params
+from pretrain.model.rope import apply_rotary_emb
 
 
 def tiny(**kw) -> ModelArgs:
@@ -77,7 +79,7 @@ def test_kv_cache_decoding_matches_full_forward():
 
 
 def test_apply_rotary_emb_keeps_dtype_and_computes_in_fp32():
-    from pretrain.model.model import precompute_freqs_cis
+    from pretrain.model.rope import precompute_freqs_cis
     freqs = precompute_freqs_cis(16, 32)
     x = torch.randn(2, 32, 4, 16)
     ref = apply_rotary_emb(x, freqs)
