@@ -87,6 +87,8 @@ class Trainer:
         inner.step = self._guarded(inner.step, inner)
         args = engine.module.args  # an MoE model's routing: the bias updates and the moe/ metrics
         self.routing = RoutingStats(engine.module, args.moe_bias_rate) if args.moe_experts else None
+        self.z_loss = args.z_loss  # the output z-loss's coefficient: train/loss leaves it out, train/z_loss shows it
+        self._z_losses: list[torch.Tensor] = []  # this rank's per-micro-batch z-losses since the last log (device)
 
     # -- state that survives a restart
     def state_dict(self) -> dict:
@@ -201,8 +203,14 @@ class Trainer:
             t0 = time.perf_counter()
             loss = self.engine(inputs, labels, loss_chunk=self.cfg.train.loss_chunk_tokens, **extra)  # mean over tokens
             loss = self.faults.loss(loss, self.step + 1)
-            # (an MoE model's loss includes its balancing and z losses; train/loss is the cross-entropy)
-            losses[i] = loss.detach() - self.routing.micro_batch() if self.routing else loss.detach()
+            # (the loss includes an MoE model's balancing and z losses and the output z-loss; train/loss
+            # is the cross-entropy)
+            ce = loss.detach() - self.routing.micro_batch() if self.routing else loss.detach()
+            if self.z_loss:
+                z = self.engine.module.output.last_z_loss
+                self._z_losses.append(z)
+                ce = ce - self.z_loss * z
+            losses[i] = ce
             if i == self.accum - 1:  # queued on the device; read by _read_stats
                 self._stats = torch.stack([losses.sum(), (~torch.isfinite(losses)).sum().float()])
                 self._mark("collective")
@@ -597,6 +605,9 @@ class Trainer:
             record.update(self.traffic.metrics())
         if self.routing:
             record.update(self.routing.metrics())
+        if self._z_losses:  # (mean logsumexp^2 over this rank's micro-batches, the coefficient not applied)
+            record["train/z_loss"] = torch.stack(self._z_losses).mean().item()
+            self._z_losses = []
         if self.peak:
             record["perf/mfu"] = per_device * self.flops_per_token / self.peak
         record.update(self.data_metrics())

@@ -271,12 +271,16 @@ def num_params(args: ModelArgs | Transformer, non_embedding: bool = False, activ
     a = args.args if isinstance(args, Transformer) else args
     if not a.vocab_size:
         raise ValueError("model.vocab_size=0: parameter counts need the vocabulary size")
-    attn = a.dim * a.head_dim * (2 * a.n_heads + 2 * a.kv_heads)  # wq, wo + wk, wv
+    q, kv = a.n_heads * a.head_dim, a.kv_heads * a.head_dim
+    attn = a.dim * (2 * q + 2 * kv)  # wq, wo + wk, wv
+    attn += (q + 2 * kv) * a.qkv_bias + a.dim * a.attn_out_bias + a.n_heads * a.attn_sinks
+    attn += {"none": 0, "head": 2 * a.head_dim, "projection": q + kv}[a.qk_norm]  # q/k norms
+    norms = (4 if a.norm_placement == "sandwich" else 2) * a.dim  # each block's RMSNorm weights
     dense = 3 * a.dim * a.hidden_dim  # w1, w2, w3
     experts = a.moe_top_k if active else a.moe_experts
     moe = a.dim * a.moe_experts + 3 * a.dim * a.moe_expert_hidden_dim * (experts + a.moe_shared_experts)
     ffn = (a.n_layers - a.moe_layers) * dense + a.moe_layers * moe
-    blocks = a.n_layers * (attn + 2 * a.dim) + ffn  # + two RMSNorm weights
+    blocks = a.n_layers * (attn + norms) + ffn
     head = 0 if a.tie_embeddings else a.vocab_size * a.dim
     n = blocks + a.dim + head  # + final norm
     return n if non_embedding else n + a.vocab_size * a.dim
@@ -288,10 +292,12 @@ def flops_per_token(args: ModelArgs | Transformer, seq_len: int) -> int:
     PaLM (Chowdhery et al. 2022, appendix B) convention. N = every parameter except the
     embedding lookup, with the LM head matmul included even when tied (it is computed either way);
     norm weights are in N too (negligible). 12*L*H*Q*T counts the attention scores and their
-    weighted sum over the full T x T matrix, not just its causal half.
+    weighted sum over the full T x T matrix, not just its causal half; a sliding-window layer's
+    over its T x min(W, T) band (each query's W keys), so that MFU stays honest for local layers.
     """
     a = args.args if isinstance(args, Transformer) else args
-    return 6 * matmul_params(a) + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
+    keys = sum(min(w, seq_len) if w else seq_len for w in map(a.layer_window, range(a.n_layers)))
+    return 6 * matmul_params(a) + 12 * a.n_heads * a.head_dim * keys
 
 
 def matmul_params(args: ModelArgs | Transformer) -> int:
