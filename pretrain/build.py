@@ -12,7 +12,7 @@ from pretrain.config import Config, is_hf_model, moe_muon_bf16_problems
 from pretrain.errors import ConfigError
 from pretrain.hf import hub
 from pretrain.metrics import JsonlLogger, Loggers, MetricLogger, WandbLogger
-from pretrain.model.args import MASK_FIELDS, MOE_TRAINING_FIELDS, ROPE_FIELDS, ModelArgs
+from pretrain.model.args import LOSS_FIELDS, MASK_FIELDS, RECIPE_FIELDS, ROPE_FIELDS, ModelArgs
 from pretrain.parallel import distributed
 
 log = logging.getLogger(__name__)
@@ -52,15 +52,16 @@ _ARCH = {"dim": "dim", "n_layers": "n_layers", "n_heads": "n_heads", "kv_heads":
          "hidden_dim": "ffn_hidden_dim", "vocab_size": "vocab_size", "norm_eps": "norm_eps",
          "tie_embeddings": "tie_embeddings", "moe_experts": "moe_experts", "moe_top_k": "moe_top_k",
          "moe_expert_hidden_dim": "moe_hidden_dim", "moe_shared_experts": "moe_shared_experts",
-         "moe_dense_layers": "moe_dense_layers", "moe_router": "moe_router", "moe_norm_topk": "moe_norm_topk"}
+         "moe_dense_layers": "moe_dense_layers", "moe_router": "moe_router", "moe_norm_topk": "moe_norm_topk",
+         "head_dim": "head_size", **{f: f for f in RECIPE_FIELDS if f != "head_size"}}
 
 
 def hf_model_args(cfg: Config) -> ModelArgs:
     """The model of `checkpoint.init_from`, a Hugging Face model: its config.json defines it. The
     fields the run config's `model:` section sets are applied on top: the RoPE settings and
     max_seq_len replace config.json's (continuing at a longer context), and the document masking
-    fields (MASK_FIELDS) and an MoE's balancing (MOE_TRAINING_FIELDS), which config.json does not
-    hold, are the run config's; any other change of
+    fields (MASK_FIELDS) and the loss weights (LOSS_FIELDS: an MoE's balancing, the output z-loss),
+    which config.json does not hold, are the run config's; any other change of
     the architecture is an error, not silently mixed."""
     if cfg.model.parametrization != "sp":
         raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from} is a Hugging Face model, whose "
@@ -74,14 +75,15 @@ def hf_model_args(cfg: Config) -> ModelArgs:
         user.setdefault("ffn_hidden_dim", 0)
     merged = dataclasses.replace(args, **user)
     differ = [f"model.{field}={getattr(merged, prop)} (config.json: {getattr(args, prop)})"
-              for prop, field in _ARCH.items() if getattr(merged, prop) != getattr(args, prop)]
+              for prop, field in _ARCH.items() if getattr(merged, prop) != getattr(args, prop)
+              and (prop != "head_dim" or "head_size" in user)]  # (a width alone changes the derived head_dim)
     if differ:
         raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from}: the model is defined by "
                           f"{path / 'config.json'}, and the run config differs in " + ", ".join(differ)
                           + ": remove these from the model section (or make them match)")
     if cfg.model.max_seq_len != default.max_seq_len:
         args.max_seq_len = cfg.model.max_seq_len
-    return dataclasses.replace(args, **{f: getattr(merged, f) for f in ROPE_FIELDS + MASK_FIELDS + MOE_TRAINING_FIELDS
+    return dataclasses.replace(args, **{f: getattr(merged, f) for f in ROPE_FIELDS + MASK_FIELDS + LOSS_FIELDS
                                         if f != "max_seq_len"})
 
 

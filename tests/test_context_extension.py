@@ -157,3 +157,10 @@ def test_a_hugging_face_model_may_be_continued_with_other_rope_settings(tmp_path
     with pytest.raises(ConfigError, match=r"differs in model.dim=128 \(config.json: 64\):"):
         hf_model_args(load_config(REPO / "configs" / "continue_smollm2.yaml",
                                   base + ["model.max_seq_len=1024", "model.rope_theta=200000", "model.dim=128"]))
+    # The output z-loss is a loss weight, the run config's (OLMo 2 continues with 1e-5); the per-layer
+    # description is config.json's: another one is refused, not mixed in.
+    assert hf_model_args(load_config(REPO / "configs" / "continue_smollm2.yaml",
+                                     base + ["model.max_seq_len=1024", "model.z_loss=1e-5"])).z_loss == 1e-5
+    with pytest.raises(ConfigError, match=r"differs in model.qk_norm=head \(config.json: none\):"):
+        hf_model_args(load_config(REPO / "configs" / "continue_smollm2.yaml",
+                                  base + ["model.max_seq_len=1024", "model.qk_norm=head"]))

@@ -129,7 +129,9 @@ def test_continuing_keeps_the_document_masking_the_run_config_sets(tmp_path):
 
 
 @pytest.mark.parametrize("change,named", [
-    (dict(model_type="qwen2"), "qwen2"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=1),
+     "use_sliding_window=True (sliding-window attention (sliding_window=32) from block max_window_layers=1 on)"),
+    (dict(model_type="olmo2", attention_bias=True), "attention_bias=True"),
     (dict(model_type="mistral", sliding_window=32), "sliding"),
     (dict(model_type="qwen2_moe", num_experts=8), "shared experts with a gate"),
     (dict(model_type="mixtral", num_local_experts=4, router_jitter_noise=0.1), "router_jitter_noise"),
@@ -151,7 +153,8 @@ GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64
         "n_positions": 256, "vocab_size": 4096}
 
 
-NAMED = {"gpt2": "model_type 'gpt2' (not a Llama architecture); Llama, Mistral and Mixtral load",
+NAMED = {"gpt2": "model_type 'gpt2' (not a family this model holds); Llama, Mistral, Mixtral, Qwen2, Qwen3 and "
+                 "OLMo 2 load",
          "llama3_without_low_freq": "llama3 RoPE scaling without low_freq_factor",
          "truncated_shard": "is not a readable safetensors file (Error while deserializing header"}
 
@@ -362,6 +365,66 @@ def test_an_export_with_llama3_rope_scaling_reads_right_in_transformers_4(tmp_pa
     assert got["rope_scaling"]["factor"] == 4.0 and got["rope_scaling"]["original_max_position_embeddings"] == 32
     torch.testing.assert_close(torch.tensor(got["logits"]), want, rtol=1e-4, atol=1e-4)
     assert got["tokenizer"] == "PreTrainedTokenizerFast" and got["ids"]
+
+
+def hf_qwen3_dir(path: Path) -> Path:
+    """A random Qwen3ForCausalLM saved by transformers, with our builtin tokenizer: per-head q/k norms
+    (drawn away from 1, as built they are 1), head_dim 32 on hidden_size 64 with 4 heads, tied."""
+    from tokenizers import Tokenizer
+
+    cfg = transformers.Qwen3Config(
+        vocab_size=Tokenizer.from_file(str(BUILTIN_TOKENIZER)).get_vocab_size(), hidden_size=64, intermediate_size=160,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+    model.save_pretrained(path)
+    shutil.copy(BUILTIN_TOKENIZER, path / "tokenizer.json")
+    return path
+
+
+def test_a_qwen3_continues_and_exports_as_a_qwen3(tmp_path):
+    """A Qwen3 -> `pretrain train` (checkpoint.init_from) for 2 steps -> `pretrain export`: config.json
+    says qwen3 (Qwen3ForCausalLM, head_dim 32), AutoModelForCausalLM reads it and gives our checkpoint's
+    logits within 1e-5; the same tensor names as the start, the q/k norms among those training moved."""
+    from transformers import AutoModelForCausalLM
+
+    from pretrain.hf.export import load_for_inference
+
+    src = hf_qwen3_dir(tmp_path / "qwen3")
+    run, out = tmp_path / "run", tmp_path / "hf"
+    proc = run_train(SMALL + [f"checkpoint.init_from={src}", f"data.tokenizer={src}", "train.max_steps=2",
+                              "train.eval_every=0", f"train.run_dir={run}"], config=CONTINUE)
+    assert "from the Hugging Face model" in proc.stdout
+    pretrain_cmd("export", str(run / "checkpoints"), str(out))
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["model_type"], cfg["architectures"], cfg["head_dim"]) == ("qwen3", ["Qwen3ForCausalLM"], 32)
+    start, exported = hf_weights(src), hf_weights(out)
+    assert sorted(exported) == sorted(start)
+    assert not torch.equal(exported["model.layers.0.self_attn.q_norm.weight"],
+                           start["model.layers.0.self_attn.q_norm.weight"])
+    ours, _, _ = load_for_inference(str(run / "checkpoints"))
+    assert (ours.args.qk_norm, ours.args.head_dim) == ("head", 32)
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    tokens = torch.randint(0, 4096, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, ours(tokens), rtol=0, atol=1e-5)
+
+
+def test_a_model_no_family_holds_is_refused_by_export_in_one_line(tmp_path):
+    """Sinks and GeGLU (GPT-OSS's, Gemma's): no family the export writes holds them; named, nothing written."""
+    run = tmp_path / "run"
+    run_train(SMALL + ["model.attn_sinks=true", "model.ffn_activation=gelu_tanh", "train.max_steps=1",
+                       "train.eval_every=0", f"train.run_dir={run}"])
+    line = one_error_line(pretrain_cmd("export", str(run / "checkpoints"), str(tmp_path / "hf"), check=False))
+    for named in ("no Hugging Face family holds", "model.attn_sinks=True", "model.ffn_activation='gelu_tanh'"):
+        assert named in line, line
+    assert not (tmp_path / "hf").exists()
 
 
 # A Mixture-of-Experts run Mixtral holds (softmax router, top-k renormalised, every block MoE, no

@@ -28,7 +28,7 @@ import yaml
 
 from pretrain.checkpoint.rundir import sha256
 from pretrain.errors import CheckpointError
-from pretrain.model.args import ModelArgs
+from pretrain.model.args import RECIPE_FIELDS, ModelArgs
 
 
 FORMAT = 2  # meta.json "format"; bump when the layout changes, and say what reads older ones
@@ -63,8 +63,7 @@ MOE_FUNCTION_FIELDS = ("moe_top_k", "moe_router", "moe_norm_topk")
 # function. Checkpoints written before it existed are Llama blocks: read_meta fills these fields in
 # with their defaults. z_loss, a loss weight, is free.
 RECIPE_SHAPE_FIELDS = ("head_dim", "norm_placement", "qk_norm", "qkv_bias", "attn_out_bias", "attn_sinks")
-RECIPE_FUNCTION_FIELDS = ("layer_pattern", "sliding_window", "rope_local_theta", "nope_period", "rope_fraction",
-                          "ffn_activation", "embed_scale")
+RECIPE_FUNCTION_FIELDS = tuple(f for f in RECIPE_FIELDS if f != "head_size" and f not in RECIPE_SHAPE_FIELDS)
 
 # Fields of the model shape that must match to load weights (init scale and presets may differ).
 SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "hidden_dim", "tie_embeddings") \

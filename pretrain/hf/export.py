@@ -1,4 +1,5 @@
-"""Export a checkpoint to Hugging Face Llama format, and load checkpoints or exports for inference.
+"""Export a checkpoint to Hugging Face format, as the family that holds its model (Llama, Qwen2,
+Qwen3, OLMo 2 or Mixtral: pretrain/hf/mapping.py), and load checkpoints or exports for inference.
 
 An export holds `model.safetensors` (consolidated fp32 weights), `config.json` and the tokenizer
 (`tokenizer.json` + `tokenizer_config.json`): `AutoModelForCausalLM.from_pretrained(OUT_DIR)` and
@@ -19,8 +20,9 @@ from pretrain.checkpoint.layout import open_checkpoint
 from pretrain.checkpoint.reshard import persistent_buffers
 from pretrain.checkpoint.weights import consolidated_state_dict
 from pretrain.config import config_from_dict, is_hf_model
-from pretrain.errors import CheckpointError
-from pretrain.hf.mapping import fold_multipliers, mixtral_problems, rope_scaling, to_hf_config, to_hf_state_dict
+from pretrain.errors import CheckpointError, ConfigError
+from pretrain.hf.mapping import (family_of, fold_multipliers, mixtral_problems, rope_scaling, to_hf_config,
+                                 to_hf_state_dict)
 from pretrain.model.model import Transformer
 
 
@@ -40,18 +42,22 @@ DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16
 
 
 def export(checkpoint: str, out_dir: str, dtype: str = "fp32") -> Path:
-    """Write a Hugging Face Llama model + tokenizer for `checkpoint` (a step folder or a run's
-    checkpoints folder) into out_dir, in fp32 or bf16; transformers 4.4x and 5.x both read it."""
+    """Write a Hugging Face model + tokenizer for `checkpoint` (a step folder or a run's checkpoints
+    folder) into out_dir, in fp32 or bf16, as the family that holds the model (config.json's
+    model_type and architectures); transformers 4.4x and 5.x both read it. ConfigError, before
+    anything is written, naming what no family holds."""
     from safetensors.torch import save_file
     from transformers import PreTrainedTokenizerFast
 
     torch_dtype, dtype_name = DTYPES[dtype]
     ckpt, _ = open_checkpoint(checkpoint)  # verified against its manifest before anything is read
     args, tokenizer, eot = _checkpoint_parts(ckpt)
+    try:  # the family that holds the model: one line naming what none holds
+        family_of(args)
+    except ValueError as e:
+        raise ConfigError(f"{ckpt}: {e}; `pretrain eval` and `generate` read the checkpoint") from None
     state = consolidated_state_dict(ckpt)
     if args.moe_experts:  # Mixtral, if it holds the model: one line naming what it does not hold
-        from pretrain.errors import ConfigError
-
         biased = [n for n, t in state.items() if n.endswith("expert_bias") and t.any()]
         problems = mixtral_problems(args) + ([f"its routers' bias (model.moe_bias_rate={args.moe_bias_rate}) selects "
                                               "experts, which Mixtral's router cannot"] if biased else [])
@@ -104,8 +110,6 @@ def load_for_inference(path: str, device: str = "cpu", verified: bool = False):
         args, tokenizer, eot = _checkpoint_parts(ckpt)
         state = consolidated_state_dict(ckpt)
     if tokenizer.get_vocab_size() > args.vocab_size:  # its ids past the embedding would crash it (on a GPU, an assert)
-        from pretrain.errors import ConfigError
-
         raise ConfigError(f"{path}: its tokenizer has {tokenizer.get_vocab_size()} tokens, more than the model's "
                           f"vocabulary ({args.vocab_size}): the tokenizer is not this model's")
     model = Transformer(args)

@@ -3,9 +3,11 @@ one tensor at a time from `model.safetensors` or sharded `model-0000x-of-0000y.s
 `model.safetensors.index.json`), from a local directory or `hub:NAME` (downloaded once into the
 huggingface_hub cache).
 
-Only Llama-architecture models load: `model_type` llama, or mistral without a sliding window. The
-config is read as JSON, not through a transformers class, so a directory written by transformers
-4.x (`rope_theta`, `rope_scaling`) and one written by 5.x (`rope_parameters`) read the same.
+The families of pretrain/hf/mapping.py load (`model_type` llama, mistral without a sliding window,
+mixtral, qwen2, qwen3, olmo2); what a family's config asks for that the model lacks is refused by
+name. The config is read as JSON, not through a transformers class, so a directory written by
+transformers 4.x (`rope_theta`, `rope_scaling`) and one written by 5.x (`rope_parameters`) read the
+same.
 """
 
 from __future__ import annotations

@@ -340,6 +340,13 @@ MASK_FIELDS = ("document_mask", "document_positions", "eot_id")
 # router_aux_loss_coef is a training setting too), so continuing one keeps the run config's.
 MOE_TRAINING_FIELDS = ("moe_aux_loss", "moe_z_loss", "moe_bias_rate")
 
+# The per-layer description's fields that change what the model computes (the checkpoint's resume
+# checks, the Hugging Face families and a start from a Hugging Face model all read this list; a new
+# field goes here). z_loss is a loss weight: LOSS_FIELDS, kept from the run config like MoE's balancing.
+RECIPE_FIELDS = ("head_size", "norm_placement", "qk_norm", "qkv_bias", "attn_out_bias", "attn_sinks", "sliding_window",
+                 "layer_pattern", "rope_local_theta", "nope_period", "rope_fraction", "ffn_activation", "embed_scale")
+LOSS_FIELDS = MOE_TRAINING_FIELDS + ("z_loss",)
+
 
 def _divisor_hint(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

@@ -258,3 +258,15 @@ def test_flops_count_a_local_layers_window_not_the_whole_sequence():
     assert flops_per_token(args, 64) == 6 * matmul_params(args) + attn * (3 * 16 + 64)
     assert flops_per_token(full, 64) == 6 * matmul_params(args) + attn * 4 * 64
     assert flops_per_token(args, 8) == flops_per_token(full, 8)  # (a window past the sequence is the whole)
+
+
+def test_every_recipe_field_is_a_resume_check_and_an_option_here():
+    """A field of the description is listed once (args.RECIPE_FIELDS), and the resume checks, the HF
+    families and the start from an HF model read it: each is shape or function, and each is tested above."""
+    from pretrain.checkpoint.layout import FUNCTION_FIELDS, SHAPE_FIELDS
+    from pretrain.model.args import RECIPE_FIELDS
+
+    checked = {"head_size" if f == "head_dim" else f for f in SHAPE_FIELDS + FUNCTION_FIELDS}
+    assert set(RECIPE_FIELDS) <= checked
+    tested = {k for on, _ in OPTIONS.values() for k in on}
+    assert set(RECIPE_FIELDS) <= tested
