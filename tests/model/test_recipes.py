@@ -7,6 +7,7 @@ built from these pieces: tests/model/test_hf_families.py.)"""
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -239,6 +240,15 @@ def test_a_bad_description_is_one_line(override, named):
     with pytest.raises(ConfigError) as e:
         load_config(None, ["model.vocab_size=256", "model.max_seq_len=1024", *override])
     assert named in str(e.value), str(e.value)
+
+
+def test_the_cli_says_a_bad_description_in_one_line_with_exit_2(capsys):
+    from pretrain.cli import main
+
+    tiny_yaml = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
+    assert main(["config", "show", tiny_yaml, "model.layer_pattern=[local,glob]", "model.sliding_window=8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.layer_pattern=['local', 'glob']: each entry is one of global, local" in err
 
 
 def test_a_pattern_need_not_divide_the_layers():
