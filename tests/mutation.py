@@ -597,6 +597,21 @@ MUTANTS = [
            "MASK_FIELDS + LOSS_FIELDS\n", "MASK_FIELDS + LOSS_FIELDS[:-1]\n",
            "model.z_loss is silently dropped when continuing a Hugging Face model (OLMo 2 trains with 1e-5)",
            "tests/test_context_extension.py::test_a_hugging_face_model_may_be_continued_with_other_rope_settings"),
+    mutant("dense-mask-for-every-layer", "pretrain/model/attention.py",
+           "        elif mask is None and (self.window or sinks is not None) and T > 1:\n",
+           "        elif mask is None and T > 1:\n",
+           "global layers take the dense-mask path on CPU: the same outputs, every T x T score computed and a T^2 mask kept per layer",
+           "tests/test_estimate.py::test_a_window_changes_no_activation_but_the_cpu_paths_dense_mask"),
+    mutant("estimate-local-layers-from-pattern", "pretrain/estimate/report.py",
+           "    local = sum(bool(args.layer_window(i)) for i in range(args.n_layers))\n",
+           "    local = args.layer_pattern.count(\"local\")\n",
+           "pretrain estimate counts the pattern's local entries, not the local layers (3 of 32 instead of 24)",
+           "tests/test_estimate.py::test_a_windowed_model_is_estimated_by_its_flops"),
+    mutant("flops-window-as-full", "pretrain/model/model.py",
+           "               for w in map(a.layer_window, range(a.n_layers)))", "               for w in [0] * a.n_layers)",
+           "a local layer's attention FLOPs are counted as a global layer's: MFU and the estimate ignore the window",
+           "tests/model/test_recipes.py::test_flops_count_a_local_layers_window_not_the_whole_sequence",
+           "tests/test_estimate.py::test_a_windowed_model_is_estimated_by_its_flops"),
 ]
 
 

@@ -20,7 +20,7 @@ from pretrain.estimate.memory import (activation_bytes, block_matrices, largest_
 from pretrain.estimate.muon import muon_matrices, muon_step, newton_schulz_flops
 from pretrain.estimate.report import Assumptions, estimate, fit_hint, report
 from pretrain.model.args import PRESETS, ModelArgs
-from pretrain.model.model import Transformer, num_params
+from pretrain.model.model import Transformer, matmul_params, num_params
 from pretrain.parallel.parallelize import apply_activation_checkpointing
 
 
@@ -69,6 +69,50 @@ def test_activation_model_matches_what_autograd_saves(dtype, shape, ac, chunk, m
     measured = saved_by_autograd(model, tokens, labels, chunk, mlp_chunk)
     predicted = activation_bytes(args, 128, dtype.itemsize, ac, chunk, mlp_chunk=mlp_chunk)["saved"]
     assert predicted == pytest.approx(measured, rel=0.02), (predicted, measured)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_window_changes_no_activation_but_the_cpu_paths_dense_mask(dtype):
+    """Local (sliding-window) layers keep what global ones keep (the estimate is the same), but for
+    the dense mask of the path without FlexAttention: one (T, T) in the training dtype per local layer."""
+    T, shape = 96, dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden_dim=384, vocab_size=512)
+    tokens, labels = torch.randint(0, 512, (2, T)), torch.randint(0, 512, (2, T))
+    saved, predicted = {}, {}
+    for local, pattern in ((0, []), (2, ["local", "global"]), (4, ["local"])):  # local layers of 4
+        args = ModelArgs(max_seq_len=T, **shape, sliding_window=16 if local else 0, layer_pattern=pattern)
+        torch.manual_seed(0)
+        model = Transformer(args)
+        model.init_weights()
+        saved[local] = saved_by_autograd(model.to(dtype), tokens, labels, 0)
+        predicted[local] = activation_bytes(args, 2 * T, dtype.itemsize, 0)["saved"]
+    assert predicted[0] == predicted[2] == predicted[4] == pytest.approx(saved[0], rel=0.02)
+    mask = dtype.itemsize * T * T
+    assert saved[2] - saved[0] == 2 * mask and saved[4] - saved[0] == 4 * mask
+
+
+def test_a_windowed_model_is_estimated_by_its_flops(capsys):
+    """At seq_len 8192 a model whose local layers attend 1,024 tokens costs flops_per_token's share
+    of the full model's step time (on one node the step is the compute), and the same memory; the
+    report says how many layers are local and the FLOPs' ratio."""
+    shape = ["model.vocab_size=32000", "data.seq_len=8192", "model.max_seq_len=8192"]
+    window = ["model.layer_pattern=[local,local,local,global]", "model.sliding_window=1024"]
+    full = load_config(REPO / "configs" / "7b.yaml", shape)
+    local = load_config(REPO / "configs" / "7b.yaml", shape + window)
+    e_full, e = (estimate(c, c.model, Assumptions(gpus=8)) for c in (full, local))
+    a, T, W = full.model, 8192, 1024
+    attention = 12 * a.n_heads * a.head_dim  # FLOPs per token per key a query attends
+    local_keys = 2 * W - W * (W - 1) / T  # twice the causal band per query, as a global layer's T is twice its half
+    ratio = (6 * matmul_params(a) + attention * (8 * T + 24 * local_keys)) / (6 * matmul_params(a) + attention * 32 * T)
+    assert e["flops_per_token"] / e_full["flops_per_token"] == pytest.approx(ratio) and 0.85 < ratio < 0.9
+    assert e["step_s"] == e["compute_s"] and e_full["step_s"] == e_full["compute_s"]
+    assert e["step_s"] / e_full["step_s"] == pytest.approx(ratio)
+    assert e["memory_gib_per_gpu"] == e_full["memory_gib_per_gpu"]
+    assert e["window"] == {"local_layers": 24, "layers": 32, "sliding_window": 1024,
+                           "flops_vs_full": pytest.approx(ratio)}
+    assert e_full["window"] is None
+    assert main(["estimate", str(REPO / "configs" / "7b.yaml"), "--gpus", "8", *shape, *window]) == 0
+    assert (f"sliding window of 1,024 tokens in 24 of 32 layers: {ratio:.2f}x the FLOPs per token of full "
+            "attention at seq_len 8,192") in capsys.readouterr().out
 
 
 # `pretrain train` (alone or under torchrun) with the bytes autograd holds for backward followed as

@@ -17,10 +17,16 @@ on CPU by counting the tensors alive; docs/performance.md compares it with DeepS
 - activations: what autograd saves for backward, per token per transformer block, counted from this
   model's code and checked against torch's saved-tensor hooks (tests/test_estimate.py):
   (8 + 6p) D + 2p KVd + 4p F + 4 H bytes, p the bytes of the training dtype, D the width, KVd the
-  key/value width, F the SwiGLU width, H the heads (flash attention: no T^2 term). A block under
-  activation checkpointing keeps p D (its input), and one block's activations live again during
-  its recomputation. The head keeps (4.5 + 2p) D + 28 bytes per token, plus the fp32
-  log-probabilities (4 V) when the loss is one chunk; the loss chunk's logits are the transient peak.
+  key/value width, F the SwiGLU width, H the heads (flash attention: no T^2 term). A local
+  (sliding-window) layer's is the same: FlexAttention keeps the same q, k, v, output and fp32
+  log-sum-exp whatever the window (its block mask, (T/128)^2 indices shared by the layers, is not
+  counted); the window cuts FLOPs (flops_per_token), not these bytes. Not counted either: on the
+  path without FlexAttention (CPU) SDPA keeps the dense window mask, made additive in the training
+  dtype, one (T, T) per local layer: p T^2 bytes (tests/test_estimate.py; 256 MiB at T = 8192 in
+  fp32). A block under activation checkpointing keeps p D (its input), and one block's
+  activations live again during its recomputation. The head keeps (4.5 + 2p) D + 28 bytes per
+  token, plus the fp32 log-probabilities (4 V) when the loss is one chunk; the loss chunk's logits
+  are the transient peak.
   Under Ulysses sequence parallelism over N GPUs (distributed.sequence_parallel) every figure is per
   token of the rank's T/N tokens: attention's own tensors are for all T tokens over H/N heads, the
   same bytes, with K and V r times (r = kv_replication: KV heads repeated where they are fewer than
@@ -101,7 +107,8 @@ def activation_bytes(args: ModelArgs, tokens: int, p: int, ac_every: int, loss_c
     mlp = 4 * p * args.hidden_dim // tp  # per token: w1's and w3's outputs, silu's, their product
     tiled = 0 < mlp_chunk < t
     # The norms (fp32 input, cast, scaled output: 4 D + 2 p D each) whole; q, the output, k, v and
-    # attention's log-sum-exp split over the tensor-parallel ranks.
+    # attention's log-sum-exp split over the tensor-parallel ranks. (A local layer's the same: the
+    # window cuts its FLOPs, not what attention keeps; the module docstring.)
     per_layer = ((8 + 4 * p) * args.dim + (2 * p * args.dim + 2 * p * kvd * r + 4 * args.n_heads) // tp
                  + (0 if tiled else mlp))
     if sp > 1:

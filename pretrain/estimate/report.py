@@ -142,6 +142,12 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
     g = 4 if precision == "fp32" or (precision == "bf16" and cfg.distributed.grad_dtype == "fp32") else 2
     n_total, n_non_emb = num_params(args), num_params(args, non_embedding=True)
     fpt = flops_per_token(args, cfg.data.seq_len)
+    # Local layers count twice their causal band of keys per query (flops_per_token): the step time below follows;
+    # their activations do not change (memory.activation_bytes: no T x T term on the GPU path).
+    local = sum(bool(args.layer_window(i)) for i in range(args.n_layers))
+    window = {"local_layers": local, "layers": args.n_layers, "sliding_window": args.sliding_window,
+              "flops_vs_full": fpt / flops_per_token(dataclasses.replace(args, sliding_window=0, layer_pattern=[]),
+                                                     cfg.data.seq_len)} if local else None
     stage, t, d = cfg.distributed.zero_stage, cfg.train, cfg.distributed
     sequences = cfg.global_batch(a.gpus // (d.sequence_parallel * d.tensor_parallel))
     tokens_per_step = sequences * cfg.data.seq_len
@@ -278,7 +284,7 @@ def estimate(cfg: Config, args: ModelArgs, a: Assumptions) -> dict:
     recommended = min(fitting, key=lambda r: r["step_s"]) if fitting else None
     out = {
         "params": n_total, "params_non_embedding": n_non_emb, "params_active": num_params(args, active=True),
-        "flops_per_token": fpt,
+        "flops_per_token": fpt, "window": window,
         "tokens_per_step": tokens_per_step, "steps": t.max_steps, "tokens_total": tokens_per_step * t.max_steps,
         "flops_total": fpt * tokens_per_step * t.max_steps, "zero_stage": stage, "seq_len": cfg.data.seq_len,
         "assumptions": vars(a), "sequence_parallel": d.sequence_parallel, "tensor_parallel": d.tensor_parallel,
@@ -401,6 +407,14 @@ def _muon_line(e: dict) -> str:
                "parameters that fit a reduce bucket" if e["zero_stage"] == 3 else ""))
 
 
+def _window_text(e: dict) -> str:
+    w = e["window"]
+    if not w:
+        return ""
+    return (f"; sliding window of {w['sliding_window']:,} tokens in {w['local_layers']} of {w['layers']} layers: "
+            f"{w['flops_vs_full']:.2f}x the FLOPs per token of full attention at seq_len {e['seq_len']:,}")
+
+
 def _fp8_line(e: dict) -> str:
     f = e["fp8"]
     saved = e["memory_parts_gib"].get("fp8_saved_weights", 0.0)
@@ -420,7 +434,8 @@ def report(e: dict) -> str:
     run = f"run: {a['gpus']} GPU(s), ZeRO-{e['zero_stage']}{hpz}, {a['precision']}, {e['optimizer']}, "
     active = f", {e['params_active'] / 1e6:,.1f}M active per token" if e["params_active"] != e["params"] else ""
     model = (f"model: {e['params'] / 1e6:,.1f}M parameters ({e['params_non_embedding'] / 1e6:,.1f}M non-embedding"
-             f"{active}), {e['flops_per_token'] / 1e9:.3f} GFLOPs per token (forward + backward, PaLM)")
+             f"{active}), {e['flops_per_token'] / 1e9:.3f} GFLOPs per token (forward + backward, PaLM)"
+             + _window_text(e))
     if "refused" in e:  # not on these GPUs as configured: the layouts at the end say what does
         lines = [model, run + f"{e['tokens_per_step']:,} tokens per step{split}: not as configured: "
                  + "; ".join(e["refused"]) + " (the parallel layouts at the end run on these GPUs)", _sp_line(e)]

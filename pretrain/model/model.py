@@ -292,12 +292,15 @@ def flops_per_token(args: ModelArgs | Transformer, seq_len: int) -> int:
     PaLM (Chowdhery et al. 2022, appendix B) convention. N = every parameter except the
     embedding lookup, with the LM head matmul included even when tied (it is computed either way);
     norm weights are in N too (negligible). 12*L*H*Q*T counts the attention scores and their
-    weighted sum over the full T x T matrix, not just its causal half; a sliding-window layer's
-    over its T x min(W, T) band (each query's W keys), so that MFU stays honest for local layers.
+    weighted sum over the full T x T matrix, not just its causal half; a sliding-window layer's as
+    twice its causal band too (the band holds W T - W (W - 1) / 2 query-key pairs for W < T: twice
+    that is 2 W - W (W - 1) / T keys per query, T at W = T), so that a windowed model's MFU and
+    `pretrain estimate` count what a block-skipping kernel saves, in the same convention.
     """
     a = args.args if isinstance(args, Transformer) else args
-    keys = sum(min(w, seq_len) if w else seq_len for w in map(a.layer_window, range(a.n_layers)))
-    return 6 * matmul_params(a) + 12 * a.n_heads * a.head_dim * keys
+    keys = sum(2 * w - w * (w - 1) / seq_len if 0 < w < seq_len else seq_len
+               for w in map(a.layer_window, range(a.n_layers)))
+    return 6 * matmul_params(a) + round(12 * a.n_heads * a.head_dim * keys)
 
 
 def matmul_params(args: ModelArgs | Transformer) -> int:

@@ -259,13 +259,16 @@ def test_a_pattern_need_not_divide_the_layers():
 
 
 def test_flops_count_a_local_layers_window_not_the_whole_sequence():
-    """6N + 12 H hd x (keys per query, summed over layers): T for a global layer, min(W, T) for a local one."""
+    """6N + 12 H hd x (keys per query, summed over layers): T for a global layer (PaLM's full T x T, twice
+    the causal half), twice the causal band for a local one, 2 W - W (W - 1) / T."""
     from pretrain.model.model import flops_per_token, matmul_params
 
     args = tiny(n_layers=4, layer_pattern=["local", "local", "local", "global"], sliding_window=16)
     full = dataclasses.replace(args, layer_pattern=[], sliding_window=0)
     attn = 12 * args.n_heads * args.head_dim
-    assert flops_per_token(args, 64) == 6 * matmul_params(args) + attn * (3 * 16 + 64)
+    band = sum(min(i + 1, 16) for i in range(64))  # query-key pairs of the causal window band at T = 64
+    assert band == 16 * 64 - 16 * 15 // 2
+    assert flops_per_token(args, 64) == 6 * matmul_params(args) + round(attn * (3 * 2 * band / 64 + 64))
     assert flops_per_token(full, 64) == 6 * matmul_params(args) + attn * 4 * 64
     assert flops_per_token(args, 8) == flops_per_token(full, 8)  # (a window past the sequence is the whole)
 
