@@ -106,6 +106,7 @@ class LoggingConfig:
     group: str = ""  # W&B group ("" = none; a scaling sweep sets its name)
     progress: bool = True  # progress bar on rank 0
     comm_bytes: bool = False  # count the bytes of each kind of collective, intra/inter node, in each logged step (comm/*; pretrain/parallel/traffic.py; that step runs 1.3-1.5x slower on CPU)
+    attn_logits: bool = False  # log train/max_attn_logit, the largest attention logit (q.k x scale) of the step's last micro-batch: a no-grad forward at each log step, 0.4-0.45 x a micro-batch's forward+backward on CPU (pretrain/metrics.py; docs/model.md)
 
 
 @dataclass

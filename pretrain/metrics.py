@@ -4,17 +4,22 @@ Loggers are pluggable: `MetricLogger` is the no-op base, `JsonlLogger` always wr
 run_dir/metrics.jsonl, `WandbLogger` imports wandb only when used. Scaling-law fields: every
 training record carries tokens seen (D) and cumulative FLOPs (C); the run config carries total and
 non-embedding parameter counts (N), so runs of different sizes compare directly against tokens or
-compute.
+compute. `attention_logit_maxima`: each layer's largest attention logit in a forward (logging.attn_logits).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from pretrain.model.attention import Attention
 
 log = logging.getLogger(__name__)
 
@@ -222,3 +227,91 @@ class Loggers(MetricLogger):
                 errors.append(e)
         if errors:
             raise errors[0]
+
+
+# -- the largest attention logit (logging.attn_logits)
+
+ATTN_CHUNK_ELEMENTS = 1 << 21  # fp32 logits held at once while measuring (8 MiB): queries go a block at a time
+
+
+def attention_logit_maxima(model: torch.nn.Module, forward: Callable[[], object]) -> torch.Tensor:
+    """The largest attention logit of each Attention module that the forward `forward()` runs
+    through `model`: max of q.k x the softmax scale (the q and k the attention uses: after q/k norms
+    and RoPE; in fp32) over heads and the query/key pairs its mask keeps (causal, the layer's window,
+    a packed-document mask; a sink's logit is not a q.k and is left out). Their growth at high
+    learning rates is the instability Wortsman et al. 2023 measure (arXiv 2309.14322). Returns an
+    fp32 tensor (n attention calls,) on the model's device, in call order.
+
+    `forward` runs without gradients and eagerly (compiled modules too, so no graph sees the probe).
+    Each Attention's `qkv` is wrapped for its duration, so every module is called once, in the
+    usual order: under ZeRO-3 the parameters are gathered as in any forward (every rank must run it).
+    A rank sees its own batch, its heads under tensor parallelism, and under sequence parallelism
+    the causal pairs within its slice of the sequences (documents not separated there): the caller
+    takes the max over ranks. For a forward without a KV cache (a training or eval forward)."""
+    attentions = [m for m in model.modules() if isinstance(m, Attention)]
+    found: list[torch.Tensor] = []
+    masks: dict[int, object] = {}
+
+    def keep_mask(module, args, kwargs):  # Attention.forward(x, freqs_cis, cache_k, cache_v, start_pos, mask)
+        masks[id(module)] = kwargs.get("mask", args[5] if len(args) > 5 else None)
+
+    def measured(module: Attention, qkv):
+        def wrapped(x, freqs_cis):
+            q, k, v = qkv(x, freqs_cis)
+            found.append(_max_logit(q, k, module.scale, module.window, masks.pop(id(module), None)))
+            return q, k, v
+        return wrapped
+
+    handles = [m.register_forward_pre_hook(keep_mask, with_kwargs=True) for m in attentions]
+    for m in attentions:
+        m.qkv = measured(m, m.qkv)
+    try:
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            forward()
+    finally:
+        for h in handles:
+            h.remove()
+        for m in attentions:
+            del m.qkv  # (the instance attribute: the class's method again)
+    return torch.stack(found) if found else torch.empty(0)
+
+
+def _max_logit(q: torch.Tensor, k: torch.Tensor, scale: float | None, window: int, mask) -> torch.Tensor:
+    """max of q (B, T, H, hd) . k (B, S, KV, hd) x scale (None: 1/sqrt(hd)) over the pairs `mask`
+    keeps (None: causal within `window`; a boolean (..., T, S) tensor; a BlockMask), fp32, 0-dim.
+    Every mask here is causal: a block of queries meets only the keys up to its last one (and from
+    its first one's window on), so about half the T x S logits are computed."""
+    B, T, H, hd = q.shape
+    S, KV = k.size(1), k.size(2)
+    G = H // KV
+    scale = scale if scale is not None else hd ** -0.5
+    q = q.float().transpose(1, 2).reshape(B, KV, G, T, hd)  # query head h = kv x G + g uses KV head kv
+    k = k.float().permute(0, 2, 3, 1)  # (B, KV, hd, S)
+    rows = max(1, ATTN_CHUNK_ELEMENTS // (B * H * S))
+    best = torch.full((), -math.inf, device=q.device)
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        lo, hi = max(0, S - T + t0 - window + 1) if window else 0, S - T + t1  # the keys these queries may see
+        logits = (q[:, :, :, t0:t1].reshape(B, KV, G * (t1 - t0), hd) @ k[..., lo:hi]) * scale
+        logits = logits.view(B, KV, G, t1 - t0, hi - lo)
+        keep = _kept(mask, window, t0, t1, lo, hi, T, S, B, q.device)  # broadcasts to (B, 1, 1, rows, keys)
+        best = torch.maximum(best, logits.masked_fill_(~keep, -math.inf).amax())
+    return best
+
+
+def _kept(mask, window: int, t0: int, t1: int, lo: int, hi: int, T: int, S: int, B: int, device) -> torch.Tensor:
+    """The pairs of queries t0:t1 and keys lo:hi the layer attends: (B, 1, 1, rows, keys) or (rows,
+    keys), True = kept. The T queries sit at the last T of S positions. A mask of other lengths
+    (sequence parallelism's, of the whole sequences) gives way to the causal one."""
+    if isinstance(mask, BlockMask) and tuple(mask.seq_lengths) == (T, S):
+        b = torch.arange(B, device=device)[:, None, None]
+        q = torch.arange(t0, t1, device=device)[None, :, None]
+        kv = torch.arange(lo, hi, device=device)[None, None, :]
+        return mask.mask_mod(b, torch.zeros_like(b), q, kv)[:, None, None]  # (mask_mods broadcast: ours index)
+    if torch.is_tensor(mask) and tuple(mask.shape[-2:]) == (T, S):
+        part = mask[..., t0:t1, lo:hi]  # (B, 1, rows, keys) or (rows, keys)
+        return part[:, :, None] if part.dim() == 4 else part
+    q = torch.arange(S - T + t0, S - T + t1, device=device)[:, None]
+    kv = torch.arange(lo, hi, device=device)[None, :]
+    keep = kv <= q
+    return keep & (q - kv < window) if window else keep

@@ -21,7 +21,7 @@ import data_pipeline as dp
 from pretrain.errors import NonFiniteStep
 from pretrain.faults import inject as faults
 from pretrain.faults.spikes import Rollbacks, Spikes
-from pretrain.metrics import MetricLogger, memory_stats, peak_flops
+from pretrain.metrics import MetricLogger, attention_logit_maxima, memory_stats, peak_flops
 from pretrain.model.moe import RoutingStats
 from pretrain.optim.optimizer import set_lr
 from pretrain.parallel import distributed, ulysses
@@ -89,6 +89,7 @@ class Trainer:
         self.routing = RoutingStats(engine.module, args.moe_bias_rate) if args.moe_experts else None
         self.z_loss = args.z_loss  # the output z-loss's coefficient: train/loss leaves it out, train/z_loss shows it
         self._z_losses: list[torch.Tensor] = []  # this rank's per-micro-batch z-losses since the last log (device)
+        self.last_batch = None  # the latest step's last micro-batch (inputs, labels, extra): logging.attn_logits
 
     # -- state that survives a restart
     def state_dict(self) -> dict:
@@ -222,6 +223,7 @@ class Trainer:
             self._mark("optimizer")
             self.engine.step()
             self.timers["compute"] += time.perf_counter() - t0
+        self.last_batch = inputs, labels, extra
         loss_sum, bad = self._read_stats()[:2]
         if bad and not self._drop_update:  # DeepSpeed dropped the update itself; the guard never ran
             self._nonfinite(f"loss is {self._mean(loss_sum)}")
@@ -583,6 +585,19 @@ class Trainer:
             log.info("step %6d | eval %s: %s", self.step, task, " | ".join(
                 f"{k.rsplit('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith(f"eval/{task}/")))
 
+    def _max_attn_logit(self) -> float:
+        """logging.attn_logits: the largest attention logit of the step's last micro-batch (after the
+        update), max over ranks: a no-grad forward on every rank (_log_train runs on all, and ZeRO-3
+        gathers collectively), left out of the window's throughput; in eval mode as evaluate's."""
+        inputs, labels, extra = self.last_batch
+        self.engine.eval()
+        try:
+            maxima = attention_logit_maxima(self.engine.module, lambda: self.engine(
+                inputs, labels, loss_chunk=self.cfg.train.loss_chunk_tokens, **extra))  # (n_layers,)
+        finally:
+            self.engine.train()
+        return distributed.all_reduce(maxima, op="max").max().item()
+
     def _log_train(self, losses, steps, elapsed) -> None:
         tokens_per_s = steps * self.tokens_per_step / elapsed
         per_device = tokens_per_s / self.env.world_size
@@ -605,11 +620,15 @@ class Trainer:
             record.update(self.traffic.metrics())
         if self.routing:
             record.update(self.routing.metrics())
-        if self._z_losses:  # (mean logsumexp^2 over this rank's micro-batches, the coefficient not applied)
-            record["train/z_loss"] = torch.stack(self._z_losses).mean().item()
+        if self._z_losses:  # (mean logsumexp^2 over every rank's micro-batches, the coefficient not applied; a
+            # sequence-parallel group's ranks' values average to its mean, as their losses do)
+            z = distributed.all_reduce(torch.stack(self._z_losses).mean()) / self.env.world_size
+            record["train/z_loss"] = z.item()
             self._z_losses = []
         if self.peak:
             record["perf/mfu"] = per_device * self.flops_per_token / self.peak
+        if self.cfg.logging.attn_logits:
+            record["train/max_attn_logit"] = self._max_attn_logit()
         record.update(self.data_metrics())
         record.update(self.stragglers(distributed.all_gather_objects(
             (elapsed * self.watchdog.busy_share(), self.compute_clock.take()))))

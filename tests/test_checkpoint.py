@@ -208,7 +208,7 @@ def test_other_rope_theta_is_refused_on_resume(tmp_path, saved_run):
     proc = run_train(BASE + ["model.rope_theta=20000", "checkpoint.resume=auto", f"train.run_dir={tmp_path}"],
                      check=False)
     assert proc.returncode == 2
-    assert "another model (RoPE, norm, document masking, MoE routing) (rope_theta: checkpoint 10000.0 vs config 20000.0)" \
+    assert "another model (RoPE, norm, document masking, MoE routing, layer kinds) (rope_theta: checkpoint 10000.0 vs config 20000.0)" \
         in proc.stderr
     assert "fine-tune from it with checkpoint.init_from" in proc.stderr
 
@@ -224,7 +224,7 @@ def test_a_resume_that_switches_document_masking_is_refused(tmp_path, saved_run,
     before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     proc = run_train(BASE + [*change, "checkpoint.resume=auto", f"train.run_dir={tmp_path}"], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "another model (RoPE, norm, document masking, MoE routing)" in proc.stderr and named in proc.stderr
+    assert "another model (RoPE, norm, document masking, MoE routing, layer kinds)" in proc.stderr and named in proc.stderr
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
 
 

@@ -182,7 +182,7 @@ class CheckpointManager:
                   "(or export it and fine-tune from the export, which is sp)"))
         if diff:
             what = "model shape" if any(d.split(":")[0] in SHAPE_FIELDS for d in diff) \
-                else "model (RoPE, norm, document masking, MoE routing)"
+                else "model (RoPE, norm, document masking, MoE routing, layer kinds)"
             raise collective(CheckpointError(f"checkpoint {ckpt} has another {what} ({'; '.join(diff)}): "
                                               "use the model config it was saved with"
                                               + ("" if what == "model shape" else " (to change it, fine-tune from "
