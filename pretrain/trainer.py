@@ -223,7 +223,8 @@ class Trainer:
             self._mark("optimizer")
             self.engine.step()
             self.timers["compute"] += time.perf_counter() - t0
-        self.last_batch = inputs, labels, extra
+        if self.cfg.logging.attn_logits:
+            self.last_batch = inputs, labels, extra
         loss_sum, bad = self._read_stats()[:2]
         if bad and not self._drop_update:  # DeepSpeed dropped the update itself; the guard never ran
             self._nonfinite(f"loss is {self._mean(loss_sum)}")

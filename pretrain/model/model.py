@@ -40,14 +40,13 @@ LOSS_CHUNK_BYTES = 1 << 28  # fp32 logits of one chunk of the loss: 256 MiB
 
 
 def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, z_loss: bool) -> torch.Tensor:
-    """Summed cross-entropy of one chunk, and (with `z_loss`) the sum of its scored tokens'
-    logsumexp^2: h (n, D), labels (n,) -> (2,) fp32 (labels of -100 are not scored)."""
+    """Summed cross-entropy of one chunk: h (n, D), labels (n,) -> scalar fp32 (labels of -100 are
+    not scored); with `z_loss`, (2,): it and the sum of the scored tokens' logsumexp^2."""
     logits = F.linear(h, weight).float()  # (n, V)
     ce = F.cross_entropy(logits, labels, reduction="sum")
     if not z_loss:
-        return torch.stack([ce, torch.zeros_like(ce)])
-    z = (logits.logsumexp(dim=-1).square() * (labels != -100)).sum()
-    return torch.stack([ce, z])
+        return ce
+    return torch.stack([ce, (logits.logsumexp(dim=-1).square() * (labels != -100)).sum()])
 
 
 class LMHead(nn.Linear):
@@ -59,7 +58,6 @@ class LMHead(nn.Linear):
     same chunks, and keeps that mean, detached, in `last_z_loss`. (A module of its own so that ZeRO-3
     gathers its weight for the loss as for the logits.)"""
 
-    z_loss = 0.0
     last_z_loss: torch.Tensor | None = None
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk: int = 0,
@@ -75,13 +73,11 @@ class LMHead(nn.Linear):
         if n <= chunk:  # one chunk: nothing to save by recomputing
             sums = _chunk_loss(h, self.weight, labels, bool(z_loss))
         else:
-            sums = h.new_zeros(2, dtype=torch.float32)
-            for i in range(0, n, chunk):
-                sums = sums + checkpoint(_chunk_loss, h[i:i + chunk], self.weight, labels[i:i + chunk], bool(z_loss),
-                                         use_reentrant=False)
-        ce, z = sums.unbind() if z_loss else (sums[0], None)
-        if z is None:
-            return ce / divisor
+            sums = sum(checkpoint(_chunk_loss, h[i:i + chunk], self.weight, labels[i:i + chunk], bool(z_loss),
+                                  use_reentrant=False) for i in range(0, n, chunk))
+        if not z_loss:
+            return sums / divisor
+        ce, z = sums.unbind()
         self.last_z_loss = (z / divisor).detach()
         return (ce + z_loss * z) / divisor
 
