@@ -1,5 +1,5 @@
 """Export a checkpoint to Hugging Face format, as the family that holds its model (Llama, Qwen2,
-Qwen3, OLMo 2 or Mixtral: pretrain/hf/mapping.py), and load checkpoints or exports for inference.
+Qwen3, Qwen3-MoE, OLMo 2 and 3, Gemma 3, SmolLM3 or Mixtral: pretrain/hf/mapping.py), and load checkpoints or exports for inference.
 
 An export holds `model.safetensors` (consolidated fp32 weights), `config.json` and the tokenizer
 (`tokenizer.json` + `tokenizer_config.json`): `AutoModelForCausalLM.from_pretrained(OUT_DIR)` and
@@ -21,7 +21,7 @@ from pretrain.checkpoint.reshard import persistent_buffers
 from pretrain.checkpoint.weights import consolidated_state_dict
 from pretrain.config import config_from_dict, is_hf_model
 from pretrain.errors import CheckpointError, ConfigError
-from pretrain.hf.mapping import (family_of, fold_multipliers, mixtral_problems, rope_scaling, to_hf_config,
+from pretrain.hf.mapping import (family_of, fold_multipliers, moe_problems, rope_scaling, to_hf_config,
                                  to_hf_state_dict)
 from pretrain.model.model import Transformer
 
@@ -53,16 +53,16 @@ def export(checkpoint: str, out_dir: str, dtype: str = "fp32") -> Path:
     ckpt, _ = open_checkpoint(checkpoint)  # verified against its manifest before anything is read
     args, tokenizer, eot = _checkpoint_parts(ckpt)
     try:  # the family that holds the model: one line naming what none holds
-        family_of(args)
+        family = family_of(args)
     except ValueError as e:
         raise ConfigError(f"{ckpt}: {e}; `pretrain eval` and `generate` read the checkpoint") from None
     state = consolidated_state_dict(ckpt)
-    if args.moe_experts:  # Mixtral, if it holds the model: one line naming what it does not hold
+    if args.moe_experts:  # an MoE family, if it holds the model: one line naming what it does not hold
         biased = [n for n, t in state.items() if n.endswith("expert_bias") and t.any()]
-        problems = mixtral_problems(args) + ([f"its routers' bias (model.moe_bias_rate={args.moe_bias_rate}) selects "
-                                              "experts, which Mixtral's router cannot"] if biased else [])
+        problems = moe_problems(args, family) + ([f"its routers' bias (model.moe_bias_rate={args.moe_bias_rate}) "
+                                                  f"selects experts, which {family.name}'s router cannot"] if biased else [])
         if problems:
-            raise ConfigError(f"{ckpt}: this Mixture-of-Experts model is not a Hugging Face Mixtral: "
+            raise ConfigError(f"{ckpt}: this Mixture-of-Experts model is not a Hugging Face {family.name}: "
                               + "; ".join(problems) + "; `pretrain eval` and `generate` read the checkpoint")
     state, args = fold_multipliers(state, args)  # muP: into the weights, in fp32
     state = to_hf_state_dict({k: v.to(torch_dtype) for k, v in state.items()}, args)

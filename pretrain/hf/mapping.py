@@ -61,9 +61,28 @@ _TOP = {
     "output.weight": "lm_head.weight",
 }
 
+_GEMMA_NORMS = {  # Gemma's sandwich: four norms a block, each (1 + w) with w stored (model.norm_unit_offset)
+    "attention_norm.weight": "input_layernorm.weight",
+    "attention_out_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "ffn_out_norm.weight": "post_feedforward_layernorm.weight",
+}
+
 _SLIDING = "sliding-window attention"
 _QWEN_WINDOWS = _SLIDING + " (sliding_window={sliding_window}) from block max_window_layers={max_window_layers} on"
 _BIASES = "biases on q_proj, k_proj, v_proj and o_proj"
+_WINDOWS = ("sliding_window", "layer_pattern", "rope_local_theta")  # a family that reads `layer_types` sets these
+_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}  # model.ffn_activation -> HF's name
+
+
+@dataclass(frozen=True)
+class Experts:
+    """How a family names an MoE block's weights: each expert's matrices under their own names (as the
+    hub's checkpoints keep them; transformers 5 fuses them on load), stacked (E, ...) in ours."""
+
+    prefix: str  # under model.layers.{i}.
+    names: dict[str, str]  # our w1 (gate), w2 (down), w3 (up) -> HF's
+    router: str = "gate.weight"
 
 
 @dataclass(frozen=True)
@@ -73,12 +92,84 @@ class Family:
     name: str  # as messages and docs name it
     config: str  # the transformers config class
     architecture: str  # the transformers model class (config.json's `architectures`)
-    block: dict[str, str]  # each block's weights: our name -> HF's (Mixtral's experts: the transform below)
-    args: dict = field(default_factory=dict)  # the ModelArgs fields its architecture sets (the rest are Llama's)
+    block: dict[str, str]  # each block's weights: our name -> HF's (MoE experts: `experts`)
+    # The ModelArgs fields its architecture fixes (the rest are Llama's, or `free`); a value may be a
+    # function of the model's args (Gemma's embedding scale is sqrt(dim)).
+    args: dict = field(default_factory=dict)
+    free: tuple = ()  # the per-layer fields it holds at any value (sliding windows, NoPE period, ...)
     # config.json fields that ask for what this model lacks: name -> (its value when off, what it asks for)
     off: dict[str, tuple] = field(default_factory=dict)
-    moe: bool = False  # every block's feed-forward is a Mixtral MoE, each expert's matrices under their own names
+    experts: Experts | None = None  # an MoE family: its expert weights' names
+    needs: tuple = ()  # config.json fields of this family alone that it must have
+    # config.json <-> ModelArgs for the fields of this family alone: read(raw, refusals) -> fields;
+    # write(args) -> the config class's keyword arguments
+    read: object = None
+    write: object = None
 
+    def fixed(self, args: ModelArgs) -> dict:
+        """The fields this family fixes, evaluated for `args`."""
+        return {k: v(args) if callable(v) else v for k, v in self.args.items()}
+
+
+def _mixtral_read(raw: dict, bad: list) -> dict:
+    return dict(moe_experts=raw["num_local_experts"], moe_top_k=raw.get("num_experts_per_tok", 2),
+                moe_hidden_dim=raw["intermediate_size"])
+
+
+def _mixtral_write(args: ModelArgs) -> dict:
+    return dict(num_local_experts=args.moe_experts, num_experts_per_tok=args.moe_top_k,
+                router_aux_loss_coef=args.moe_aux_loss, intermediate_size=args.moe_expert_hidden_dim)
+
+
+def _qwen3_moe_read(raw: dict, bad: list) -> dict:
+    """Qwen3-MoE: block i is MoE unless listed in mlp_only_layers, every decoder_sparse_step-th;
+    here the dense blocks are the first ones (model.moe_dense_layers)."""
+    n, step = raw["num_hidden_layers"], raw.get("decoder_sparse_step", 1)
+    dense = [i for i in range(n) if i in (raw.get("mlp_only_layers") or []) or (i + 1) % step]
+    if dense != list(range(len(dense))):
+        bad.append(f"dense blocks {dense} (mlp_only_layers={raw.get('mlp_only_layers')}, decoder_sparse_step={step}): "
+                   "only the first blocks may be dense here")
+    return dict(moe_experts=raw.get("num_experts") or raw.get("num_local_experts"),  # (5.x writes the latter)
+                moe_top_k=raw.get("num_experts_per_tok", 8),
+                moe_hidden_dim=raw["moe_intermediate_size"], moe_norm_topk=bool(raw.get("norm_topk_prob", False)),
+                moe_dense_layers=len(dense))
+
+
+def _qwen3_moe_write(args: ModelArgs) -> dict:
+    return dict(num_experts=args.moe_experts, num_experts_per_tok=args.moe_top_k, moe_intermediate_size=args.moe_expert_hidden_dim,
+                norm_topk_prob=args.moe_norm_topk, decoder_sparse_step=1, mlp_only_layers=list(range(args.moe_dense_layers)),
+                router_aux_loss_coef=args.moe_aux_loss)
+
+
+def _smollm3_read(raw: dict, bad: list) -> dict:
+    """SmolLM3's no_rope_layers (1 = RoPE, 0 = none) as a period: blocks i with (i + 1) % p == 0."""
+    layers = raw.get("no_rope_layers")
+    if layers is None:
+        return dict(nope_period=raw.get("no_rope_layer_interval", 4))
+    for period in [0, *range(1, len(layers) + 1)]:
+        if layers == [int(not period or (i + 1) % period != 0) for i in range(len(layers))]:
+            return dict(nope_period=period)
+    bad.append(f"no_rope_layers={layers} (here the blocks without RoPE are every p-th: model.nope_period)")
+    return {}
+
+
+def _smollm3_write(args: ModelArgs) -> dict:
+    return dict(no_rope_layers=[int(args.layer_rope(i) != "") for i in range(args.n_layers)],
+                no_rope_layer_interval=args.nope_period)
+
+
+def _gemma3_read(raw: dict, bad: list) -> dict:
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    scalar = raw.get("query_pre_attn_scalar", head_dim)
+    return dict(query_scale_dim=0 if scalar == head_dim else int(scalar))
+
+
+def _gemma3_write(args: ModelArgs) -> dict:
+    return dict(query_pre_attn_scalar=args.query_scale_dim or args.head_dim)
+
+
+_QWEN3_BLOCK = _ATTENTION | _QK_NORM | _MLP | _PRE_NORMS
+_OLMO2_BLOCK = _ATTENTION | _QK_NORM | _MLP | _POST_NORMS
 
 # model_type -> its family. The first that holds a model is its export (Llama before Mistral).
 FAMILIES = {
@@ -86,17 +177,38 @@ FAMILIES = {
                     off={"attention_bias": (False, _BIASES), "mlp_bias": (False, "biases in the MLP")}),
     "mistral": Family("Mistral", "MistralConfig", "MistralForCausalLM", _ATTENTION | _MLP | _PRE_NORMS,
                       off={"sliding_window": (None, _SLIDING)}),
-    "mixtral": Family("Mixtral", "MixtralConfig", "MixtralForCausalLM", _ATTENTION | _PRE_NORMS, moe=True,
+    "mixtral": Family("Mixtral", "MixtralConfig", "MixtralForCausalLM", _ATTENTION | _PRE_NORMS,
+                      experts=Experts("block_sparse_moe", {"w1": "w1", "w2": "w2", "w3": "w3"}),
                       off={"sliding_window": (None, _SLIDING),
-                           "router_jitter_noise": (0.0, "this router adds no noise")}),
+                           "router_jitter_noise": (0.0, "this router adds no noise")},
+                      read=_mixtral_read, write=_mixtral_write, needs=("num_local_experts",)),
     "qwen2": Family("Qwen2", "Qwen2Config", "Qwen2ForCausalLM", _ATTENTION | _QKV_BIAS | _MLP | _PRE_NORMS,
                     args=dict(qkv_bias=True), off={"use_sliding_window": (False, _QWEN_WINDOWS)}),
-    "qwen3": Family("Qwen3", "Qwen3Config", "Qwen3ForCausalLM", _ATTENTION | _QK_NORM | _MLP | _PRE_NORMS,
-                    args=dict(qk_norm="head"),
+    "qwen3": Family("Qwen3", "Qwen3Config", "Qwen3ForCausalLM", _QWEN3_BLOCK, args=dict(qk_norm="head"),
                     off={"attention_bias": (False, _BIASES), "use_sliding_window": (False, _QWEN_WINDOWS)}),
-    "olmo2": Family("OLMo 2", "Olmo2Config", "Olmo2ForCausalLM", _ATTENTION | _QK_NORM | _MLP | _POST_NORMS,
+    "qwen3_moe": Family("Qwen3-MoE", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", _QWEN3_BLOCK, args=dict(qk_norm="head"),
+                        experts=Experts("mlp", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}),
+                        off={"attention_bias": (False, _BIASES), "use_sliding_window": (False, _QWEN_WINDOWS)},
+                        read=_qwen3_moe_read, write=_qwen3_moe_write, needs=("moe_intermediate_size",)),
+    "olmo2": Family("OLMo 2", "Olmo2Config", "Olmo2ForCausalLM", _OLMO2_BLOCK,
                     args=dict(norm_placement="post", qk_norm="projection"),
                     off={"attention_bias": (False, _BIASES)}),
+    "olmo3": Family("OLMo 3", "Olmo3Config", "Olmo3ForCausalLM", _OLMO2_BLOCK,
+                    args=dict(norm_placement="post", qk_norm="projection"), free=_WINDOWS,
+                    off={"attention_bias": (False, _BIASES)}),
+    "gemma3_text": Family("Gemma 3", "Gemma3TextConfig", "Gemma3ForCausalLM", _ATTENTION | _QK_NORM | _MLP | _GEMMA_NORMS,
+                          args=dict(norm_placement="sandwich", qk_norm="head", ffn_activation="gelu_tanh",
+                                    norm_unit_offset=True, embed_scale=lambda a: a.dim ** 0.5),
+                          free=_WINDOWS + ("query_scale_dim",),
+                          off={"attention_bias": (False, _BIASES),
+                               "attn_logit_softcapping": (None, "soft-capped attention logits"),
+                               "final_logit_softcapping": (None, "soft-capped output logits"),
+                               "use_bidirectional_attention": (False, "bidirectional attention")},
+                          read=_gemma3_read, write=_gemma3_write),
+    "smollm3": Family("SmolLM3", "SmolLM3Config", "SmolLM3ForCausalLM", _ATTENTION | _MLP | _PRE_NORMS, free=("nope_period",),
+                      off={"attention_bias": (False, _BIASES), "mlp_bias": (False, "biases in the MLP"),
+                           "use_sliding_window": (False, _SLIDING)},
+                      read=_smollm3_read, write=_smollm3_write),
 }
 
 # The per-layer fields (pretrain/model/args.py) that change what a block computes; a family sets some
@@ -109,40 +221,54 @@ def _named(fields: dict) -> str:
     return ", ".join(f"model.{k}={v!r}" for k, v in fields.items())
 
 
+def _holds(family: Family, args: ModelArgs) -> bool:
+    fixed = family.fixed(args)
+    return (bool(args.moe_experts) == bool(family.experts)
+            and all(getattr(args, f) == fixed.get(f, getattr(_LLAMA, f)) for f in _RECIPE if f not in family.free))
+
+
 def family_of(args: ModelArgs) -> Family:
     """The family whose table holds the model: its per-layer fields are the family's (the first in
     FAMILIES, so Llama, not Mistral). ValueError naming the fields that no family holds."""
-    recipe = {f: getattr(args, f) for f in _RECIPE if getattr(args, f) != getattr(_LLAMA, f)}
     for family in FAMILIES.values():
-        if recipe == family.args and bool(args.moe_experts) == family.moe:
+        if _holds(family, args):
             return family
-    held = "; ".join(f"{f.name}: {_named(f.args) or ('model.moe_experts > 0' if f.moe else 'none of these')}"
-                     for t, f in FAMILIES.items() if t != "mistral")
+    recipe = {f: getattr(args, f) for f in _RECIPE if getattr(args, f) != getattr(_LLAMA, f)}
+
+    def holds(f: Family) -> str:
+        fixed = {k: "sqrt(dim)" if callable(v) else v for k, v in f.args.items()}
+        return " ".join(filter(None, [_named(fixed) or "Llama's blocks", "+ model.moe_experts > 0" if f.experts else "",
+                                      f"(any {', '.join(f.free)})" if f.free else ""]))
+    held = "; ".join(f"{f.name}: {holds(f)}" for t, f in FAMILIES.items() if t != "mistral")
     moe = f" with model.moe_experts={args.moe_experts}" if args.moe_experts else ""
-    raise ValueError(f"no Hugging Face family holds {_named(recipe)}{moe} (what each holds: {held})")
+    raise ValueError(f"no Hugging Face family holds {_named(recipe) or 'these blocks'}{moe} (what each holds: {held})")
 
 
-def mixtral_problems(args: ModelArgs) -> list[str]:
-    """What keeps an MoE model from being a transformers Mixtral (a softmax router whose k weights
-    are renormalised, every block MoE, no shared expert, plain RoPE); empty when it is one."""
+def moe_problems(args: ModelArgs, family: Family | None = None) -> list[str]:
+    """What keeps an MoE model from being its family's (Mixtral: a softmax router whose k weights
+    are renormalised, every block MoE; Qwen3-MoE: a softmax router, the first blocks may be dense;
+    neither has a shared expert or scaled RoPE); empty when it is one."""
+    family = family or family_of(args)
     out = []
-    if args.moe_router != "softmax" or not args.moe_norm_topk:
-        out.append(f"model.moe_router={args.moe_router} with moe_norm_topk={args.moe_norm_topk} (Mixtral's router is "
-                   "a softmax whose top-k weights are renormalised)")
+    if args.moe_router != "softmax" or (family.name == "Mixtral" and not args.moe_norm_topk):
+        out.append(f"model.moe_router={args.moe_router} with moe_norm_topk={args.moe_norm_topk} ({family.name}'s router "
+                   "is a softmax" + (" whose top-k weights are renormalised)" if family.name == "Mixtral" else ")"))
     if args.moe_shared_experts:
-        out.append(f"model.moe_shared_experts={args.moe_shared_experts} (Mixtral has no shared expert)")
-    if args.moe_dense_layers:
+        out.append(f"model.moe_shared_experts={args.moe_shared_experts} ({family.name} has no shared expert)")
+    if args.moe_dense_layers and family.name == "Mixtral":
         out.append(f"model.moe_dense_layers={args.moe_dense_layers} (every Mixtral block is MoE)")
     if args.rope_scaling_factor:
-        out.append("model.rope_scaling_factor (Mixtral's RoPE is plain)")
+        out.append(f"model.rope_scaling_factor ({family.name}'s RoPE is plain)")
     return out
 
 
+def _layer_types(args: ModelArgs) -> list[str]:
+    return ["sliding_attention" if args.layer_kind(i) == "local" else "full_attention" for i in range(args.n_layers)]
+
+
 def to_hf_config(args: ModelArgs):
-    """The transformers config of the same architecture, of the family that holds it (`family_of`:
-    LlamaConfig, Qwen2Config, Qwen3Config, Olmo2Config, or MixtralConfig for an MoE model that
-    Mixtral holds), with `architectures` set; vocab_size must be set. ValueError naming what no
-    family holds."""
+    """The transformers config of the same architecture, of the family that holds it (`family_of`),
+    with `architectures` set; vocab_size must be set. ValueError naming what no family holds."""
     import transformers
 
     if not args.vocab_size:
@@ -150,32 +276,37 @@ def to_hf_config(args: ModelArgs):
     if args.parametrization != "sp":
         raise ValueError(f"model.parametrization={args.parametrization}: fold its multipliers first (fold_multipliers)")
     family = family_of(args)
-    moe = {}
-    if family.moe:
-        problems = mixtral_problems(args)
+    if family.experts:
+        problems = moe_problems(args, family)
         if problems:
-            raise ValueError("not a Mixtral: " + "; ".join(problems))
-        moe = dict(num_local_experts=args.moe_experts, num_experts_per_tok=args.moe_top_k,
-                   router_aux_loss_coef=args.moe_aux_loss)
-    cfg = getattr(transformers, family.config)(
+            raise ValueError(f"not a {family.name}: " + "; ".join(problems))
+    rope = dict(rope_theta=args.rope_theta, rope_scaling=rope_scaling(args))
+    if "sliding_window" in family.free:  # per layer kind: `layer_types`, each kind its RoPE
+        scaling = rope_scaling(args) or {"rope_type": "default"}
+        rope = dict(sliding_window=args.sliding_window or None, layer_types=_layer_types(args), rope_parameters={
+            "full_attention": {**scaling, "rope_theta": args.rope_theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": args.rope_local_theta or args.rope_theta}})
+    activation = {"hidden_activation" if family.name == "Gemma 3" else "hidden_act": _ACTIVATIONS[args.ffn_activation]}
+    kwargs = dict(
         vocab_size=args.vocab_size,
         hidden_size=args.dim,
-        intermediate_size=args.moe_expert_hidden_dim if family.moe else args.hidden_dim,
+        intermediate_size=args.hidden_dim,
         num_hidden_layers=args.n_layers,
         num_attention_heads=args.n_heads,
         num_key_value_heads=args.kv_heads,
         head_dim=args.head_dim,  # (Qwen2's and OLMo 2's classes read it too, though their configs do not list it)
-        hidden_act="silu",
         max_position_embeddings=args.max_seq_len,
         rms_norm_eps=args.norm_eps,
         # transformers 5 moves these into rope_parameters itself; 4.x keeps the attributes.
-        rope_theta=args.rope_theta,
-        rope_scaling=rope_scaling(args),
+        **rope,
         tie_word_embeddings=args.tie_embeddings,
         initializer_range=args.init_std,
-        **moe,
+        pad_token_id=None,
+        **activation,
         **{key: value for key, (value, _) in family.off.items()},
     )
+    kwargs.update(family.write(args) if family.write else {})
+    cfg = getattr(transformers, family.config)(**kwargs)
     cfg.architectures = [family.architecture]
     return cfg
 
@@ -191,8 +322,8 @@ def rope_scaling(args: ModelArgs) -> dict | None:
 
 # model_type -> why it does not load (any other model_type that FAMILIES lacks: "not a family this model holds")
 _REFUSED = {"gemma": "a different norm and MLP", "gemma2": "soft-capping and sliding windows",
-            "qwen2_moe": "shared experts with a gate", "qwen3_moe": "a mixture of experts with q/k norms",
-            "phi3": "fused projections"}
+            "gemma3": "Gemma 3's image-text model: its text model (model_type gemma3_text, as Gemma 3 1B) loads",
+            "qwen2_moe": "shared experts with a gate", "phi3": "fused projections"}
 _LOADS = ", ".join(f.name for f in list(FAMILIES.values())[:-1]) + f" and {list(FAMILIES.values())[-1].name}"
 
 
@@ -211,26 +342,44 @@ def from_hf_dict(raw: dict) -> ModelArgs:
         raise ValueError(f"not supported: model_type {model_type!r} "
                          f"({_REFUSED.get(model_type, 'not a family this model holds')}); {_LOADS} load")
     missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
-                           "intermediate_size") if k not in raw]
+                           "intermediate_size", *family.needs) if k not in raw]
     if missing:
         raise ValueError(f"config.json lacks {', '.join(missing)}, which a {family.name} config has")
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    theta = rope.get("rope_theta", raw.get("rope_theta"))
+    if "sliding_window" in family.free and raw.get("layer_types") is None:
+        import transformers  # (its config class knows the family's default pattern)
+
+        raw = {**raw, "layer_types": getattr(transformers, family.config)(**raw).layer_types}
+    rope, local_rope = _rope_parameters(raw, "full_attention"), _rope_parameters(raw, "sliding_attention")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
     values = collections.defaultdict(lambda: "?", raw)  # (for the `off` descriptions that quote other fields)
     bad = [f"{key}={raw[key]!r} ({why.format_map(values)})" for key, (_, why) in family.off.items() if raw.get(key)]
-    if (raw.get("num_local_experts") or raw.get("num_experts")) and not family.moe:
+    if (raw.get("num_local_experts") or raw.get("num_experts")) and not family.experts:
         bad.append("a mixture of experts")
     if rope_type not in ("default", "llama3"):
         bad.append(f"RoPE scaling {rope_type!r} (plain RoPE and llama3 load)")
     if rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
         bad.append("partial_rotary_factor (RoPE on part of each head)")
-    local = sorted({t for t in raw.get("layer_types") or [] if t != "full_attention"})
-    if local:
-        bad.append(f"layer_types {local} (every block here attends to the full context)")
-    if raw.get("hidden_act", "silu") != "silu":
-        bad.append(f"hidden_act={raw['hidden_act']!r} (SwiGLU needs silu)")
+    kinds = raw.get("layer_types") or ["full_attention"] * raw["num_hidden_layers"]
+    windows = {}
+    if "sliding_window" in family.free:
+        unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+        if unknown:
+            bad.append(f"layer_types {unknown} (full_attention and sliding_attention load)")
+        elif "sliding_attention" in kinds:
+            if local_rope.get("rope_type", "default") != "default":
+                bad.append(f"RoPE scaling {local_rope.get('rope_type')!r} in the sliding-window layers")
+            local_theta = float(local_rope.get("rope_theta", rope.get("rope_theta", 10000.0)))
+            windows = dict(sliding_window=raw.get("sliding_window") or 0, layer_pattern=_pattern(kinds),
+                           rope_local_theta=0.0 if local_theta == rope.get("rope_theta", 10000.0) else local_theta)
+    elif set(kinds) - {"full_attention"}:
+        bad.append(f"layer_types {sorted(set(kinds) - {'full_attention'})} (every {family.name} block here attends "
+                   "to the full context)")
+    activation = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+    wanted = family.args.get("ffn_activation", "silu")
+    if activation != _ACTIVATIONS[wanted]:
+        bad.append(f"hidden_act={activation!r} ({family.name} here gates with {_ACTIVATIONS[wanted]})")
+    own = family.read(raw, bad) if family.read else {}
     if bad:
         raise ValueError(f"not supported: {family.name} with " + "; ".join(bad))
     scaling = {}
@@ -253,15 +402,15 @@ def from_hf_dict(raw: dict) -> ModelArgs:
         vocab_size=raw["vocab_size"],
         ffn_hidden_dim=raw["intermediate_size"],
         norm_eps=raw.get("rms_norm_eps", 1e-6),
-        rope_theta=float(theta if theta is not None else 10000.0),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
         max_seq_len=raw.get("max_position_embeddings", 2048),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         init_std=raw.get("initializer_range", 0.02),
         **scaling,
-        **family.args,
-        **({"moe_experts": raw["num_local_experts"], "moe_top_k": raw.get("num_experts_per_tok", 2),
-            "moe_hidden_dim": raw["intermediate_size"]} if family.moe else {}),
+        **windows,
+        **own,
     )
+    args = dataclasses.replace(args, **family.fixed(args))
     problems = args.problems()  # (a shape the model cannot take: one line naming config.json's fields)
     if problems:
         named = "; ".join(problems)
@@ -269,6 +418,28 @@ def from_hf_dict(raw: dict) -> ModelArgs:
             named = named.replace(f"model.{ours}=", f"{theirs}=")
         raise ValueError(f"config.json: {named}")
     return args
+
+
+def _rope_parameters(raw: dict, kind: str) -> dict:
+    """The RoPE settings of one kind of layer (full_attention, sliding_attention), with its
+    rope_theta: transformers 5 writes `rope_parameters` (per kind where kinds differ), 4.x
+    `rope_theta` and `rope_scaling` (Gemma 3 also `rope_local_base_freq`)."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if {"full_attention", "sliding_attention"} & set(params):
+        params = params.get(kind) or {}
+    elif kind == "sliding_attention":  # (4.x: the scaling is the global layers')
+        params = {"rope_theta": raw.get("rope_local_base_freq", params.get("rope_theta", raw.get("rope_theta")))}
+    params = dict(params)
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = raw.get("rope_theta") if raw.get("rope_theta") is not None else 10000.0
+    return params
+
+
+def _pattern(kinds: list[str]) -> list[str]:
+    """layer_types as model.layer_pattern: its shortest repeating prefix, in our kinds."""
+    ours = ["local" if k == "sliding_attention" else "global" for k in kinds]
+    period = next(p for p in range(1, len(ours) + 1) if all(ours[i] == ours[i % p] for i in range(len(ours))))
+    return ours[:period]
 
 
 # ModelArgs' fields as config.json names them (in from_hf_dict's refusals)
@@ -311,10 +482,9 @@ def fold_multipliers(sd: dict[str, torch.Tensor], args: ModelArgs) -> tuple[dict
                     else ("attention.wo.weight", "attention.wo.bias", "feed_forward.w2.weight"))
     out = {}
     for name, w in sd.items():
-        if name.endswith(q_names):
-            w = w * q_scale
-        elif name.endswith(branch_names):
-            w = w * branch
+        scale = q_scale if name.endswith(q_names) else branch if name.endswith(branch_names) else 1.0
+        if scale != 1.0:  # (a norm of gain 1 + w: (1 + w) x scale - 1)
+            w = (1 + w) * scale - 1 if args.norm_unit_offset and name.endswith("norm.weight") else w * scale
         out[name] = w
     out["output.weight"] = sd.get("output.weight", sd["tok_embeddings.weight"]) * args.logit_scale
     sp = dataclasses.replace(args, parametrization="sp", mup_base_dim=0, mup_base_layers=0, mup_base_head_dim=0,
@@ -324,15 +494,16 @@ def fold_multipliers(sd: dict[str, torch.Tensor], args: ModelArgs) -> tuple[dict
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Our state dict -> that of the family that holds the model (`family_of`), under its names. An
-    MoE model's: `MixtralForCausalLM`'s, each expert's matrices under their own name,
-    `block_sparse_moe.experts.{e}.w1.weight`, as transformers 4.x names them and 5.x reads them.
+    MoE model's experts each under their own names (Mixtral's `block_sparse_moe.experts.{e}.w1.weight`,
+    Qwen3-MoE's `mlp.experts.{e}.gate_proj.weight`), as the hub's checkpoints and transformers 4.x
+    name them and 5.x reads them.
     Tensors are shared, not copied. ValueError naming any key the family's table lacks.
 
     With tied embeddings, `lm_head.weight` is the embedding tensor (HF's state_dict lists both).
     """
     family = family_of(args)
     sd = dict(sd)
-    moe = _mixtral_experts_to_hf(sd) if family.moe else {}
+    moe = _experts_to_hf(sd, family.experts) if family.experts else {}
     out = {**_rename(sd, _TOP, family.block, "layers.", "model.layers."), **moe}
     if args.tie_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
@@ -352,7 +523,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
     sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
     if args.tie_embeddings:
         sd.pop("lm_head.weight", None)
-    moe = _mixtral_experts_from_hf(sd, args.moe_experts) if family.moe else {}
+    moe = _experts_from_hf(sd, family.experts, args.moe_experts) if family.experts else {}
     out = {**_rename(sd, {v: k for k, v in _TOP.items()}, {v: k for k, v in family.block.items()},
                      "model.layers.", "layers."), **moe}
     if args.tie_embeddings:
@@ -360,34 +531,36 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
     return out
 
 
-# Mixtral's one transform: each expert's matrices under their own names in HF, stacked (E, ...) in ours.
-def _mixtral_experts_to_hf(sd: dict) -> dict:
-    """Pops our MoE weights from `sd`; returns them under Mixtral's names (the routers' expert_bias,
-    which Mixtral has no place for, is dropped: export refuses a non-zero one)."""
+# The MoE families' one transform: each expert's matrices under their own names in HF, stacked (E, ...) in ours.
+def _experts_to_hf(sd: dict, experts: Experts) -> dict:
+    """Pops our MoE weights from `sd`; returns them under the family's names (the routers' expert_bias,
+    which neither family has a place for, is dropped: export refuses a non-zero one)."""
     out = {}
     for name in [n for n in sd if re.fullmatch(r"layers\.\d+\.feed_forward\.(router\.weight|experts\.w[123]|expert_bias)", n)]:
         layer, what = re.fullmatch(r"layers\.(\d+)\.feed_forward\.(.+)", name).groups()
-        tensor, prefix = sd.pop(name), f"model.layers.{layer}.block_sparse_moe."
+        tensor, prefix = sd.pop(name), f"model.layers.{layer}.{experts.prefix}."
         if what == "router.weight":
-            out[prefix + "gate.weight"] = tensor
+            out[prefix + experts.router] = tensor
         elif what.startswith("experts."):
             for e, w in enumerate(tensor.unbind(0)):
-                out[f"{prefix}experts.{e}.{what.split('.')[1]}.weight"] = w
+                out[f"{prefix}experts.{e}.{experts.names[what.split('.')[1]]}.weight"] = w
     return out
 
 
-def _mixtral_experts_from_hf(sd: dict, n_experts: int) -> dict:
-    """Pops Mixtral's router and expert weights from `sd`; returns ours, each layer's experts stacked
-    (as a list where the values are names: LazyWeights)."""
-    out, experts = {}, {}
-    pattern = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.(?:gate\.weight|experts\.(\d+)\.(w[123])\.weight)")
+def _experts_from_hf(sd: dict, experts: Experts, n_experts: int) -> dict:
+    """Pops the family's router and expert weights from `sd`; returns ours, each layer's experts
+    stacked (as a list where the values are names: LazyWeights)."""
+    out, stacks = {}, {}
+    ours = {v: k for k, v in experts.names.items()}
+    pattern = re.compile(rf"model\.layers\.(\d+)\.{re.escape(experts.prefix)}\.(?:{re.escape(experts.router)}|"
+                         rf"experts\.(\d+)\.({'|'.join(map(re.escape, ours))})\.weight)")
     for name in [n for n in sd if pattern.fullmatch(n)]:
         layer, e, w = pattern.fullmatch(name).groups()
         if e is None:
             out[f"layers.{layer}.feed_forward.router.weight"] = sd.pop(name)
         else:
-            experts.setdefault(f"layers.{layer}.feed_forward.experts.{w}", {})[int(e)] = sd.pop(name)
-    for key, parts in experts.items():
+            stacks.setdefault(f"layers.{layer}.feed_forward.experts.{ours[w]}", {})[int(e)] = sd.pop(name)
+    for key, parts in stacks.items():
         if sorted(parts) != list(range(n_experts)):
             raise ValueError(f"{key}: experts {sorted(parts)} of {n_experts}")
         ordered = [parts[e] for e in range(n_experts)]

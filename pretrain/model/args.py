@@ -43,6 +43,8 @@ class ModelArgs:
     rope_fraction: float = 1.0  # share of each head's dimensions RoPE rotates, the first ones (partial rotary)
     ffn_activation: str = "silu"  # the feed-forward gate's activation: silu (SwiGLU) | gelu_tanh (GeGLU, Gemma)
     embed_scale: float = 1.0  # multiplier of the token embeddings (Gemma: sqrt(dim))
+    norm_unit_offset: bool = False  # every RMSNorm scales by (1 + weight), the weight starting at 0 (Gemma)
+    query_scale_dim: int = 0  # attention logits scaled by 1/sqrt(this) (0 = head_dim; Gemma 3's query_pre_attn_scalar)
     z_loss: float = 0.0  # output z-loss coefficient: loss += z_loss x mean logsumexp(logits)^2 (PaLM; OLMo 2: 1e-5)
     init_std: float = 0.02  # std of normal init; output projections use init_std / sqrt(2 * n_layers)
     parametrization: str = "sp"  # sp (standard) | mup (width transfer) | completep (width and depth): docs/mup.md
@@ -154,12 +156,13 @@ class ModelArgs:
 
     @property
     def attn_scale(self) -> float | None:
-        """Softmax scale of the attention logits: None (1/sqrt(head_dim)) under sp; under mup and
+        """Softmax scale of the attention logits: None (1/sqrt(head_dim)) under sp, or
+        1/sqrt(query_scale_dim) where set; under mup and
         completep 1/head_dim, times sqrt(base head_dim) so that the base model keeps 1/sqrt(head_dim).
         Models that grow by heads at a fixed head_dim (the presets, the scaling planner) keep
         1/sqrt(head_dim) at every width."""
         if self.parametrization == "sp":
-            return None
+            return self.query_scale_dim ** -0.5 if self.query_scale_dim else None
         return math.sqrt(self.mup_base_head_dim or self.head_dim) / self.head_dim
 
     @property
@@ -263,6 +266,9 @@ class ModelArgs:
         if not 0 < self.rope_fraction <= 1 or not self.rotary_dim:
             out.append(f"model.rope_fraction={self.rope_fraction} must be in (0, 1] and leave RoPE at least 2 of "
                        f"head_dim={self.head_dim} dimensions")
+        if self.query_scale_dim < 0 or self.query_scale_dim and self.parametrization != "sp":
+            out.append(f"model.query_scale_dim={self.query_scale_dim} must be >= 0, and 0 under "
+                       f"model.parametrization={self.parametrization} (muP sets the attention scale itself)")
         if not self.embed_scale > 0 or self.z_loss < 0:
             out.append(f"model.embed_scale={self.embed_scale} must be > 0 and model.z_loss={self.z_loss} >= 0")
         return out
@@ -344,7 +350,8 @@ MOE_TRAINING_FIELDS = ("moe_aux_loss", "moe_z_loss", "moe_bias_rate")
 # checks, the Hugging Face families and a start from a Hugging Face model all read this list; a new
 # field goes here). z_loss is a loss weight: LOSS_FIELDS, kept from the run config like MoE's balancing.
 RECIPE_FIELDS = ("head_size", "norm_placement", "qk_norm", "qkv_bias", "attn_out_bias", "attn_sinks", "sliding_window",
-                 "layer_pattern", "rope_local_theta", "nope_period", "rope_fraction", "ffn_activation", "embed_scale")
+                 "layer_pattern", "rope_local_theta", "nope_period", "rope_fraction", "ffn_activation", "embed_scale",
+                 "norm_unit_offset", "query_scale_dim")
 LOSS_FIELDS = MOE_TRAINING_FIELDS + ("z_loss",)
 
 

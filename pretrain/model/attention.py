@@ -110,8 +110,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(q_dim, args.dim, bias=args.attn_out_bias)
         self.qk_norm = args.qk_norm
         per_head = args.qk_norm == "head"
-        self.q_norm = optional_norm(args.qk_norm != "none", self.head_dim if per_head else q_dim, args.norm_eps)
-        self.k_norm = optional_norm(args.qk_norm != "none", self.head_dim if per_head else kv_dim, args.norm_eps)
+        self.q_norm = optional_norm(args.qk_norm != "none", self.head_dim if per_head else q_dim, args.norm_eps,
+                                    args.norm_unit_offset)
+        self.k_norm = optional_norm(args.qk_norm != "none", self.head_dim if per_head else kv_dim, args.norm_eps,
+                                    args.norm_unit_offset)
         self.sinks = nn.Parameter(torch.empty(self.n_heads)) if args.attn_sinks else None  # (H,) logits
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor | None, cache_k: torch.Tensor | None = None,

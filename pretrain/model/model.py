@@ -90,16 +90,16 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, index: int = 0):
         super().__init__()
         pre, post = args.norm_placement in ("pre", "sandwich"), args.norm_placement in ("post", "sandwich")
-        self.attention_norm = optional_norm(pre, args.dim, args.norm_eps)
+        self.attention_norm = optional_norm(pre, args.dim, args.norm_eps, args.norm_unit_offset)
         self.attention = Attention(args, index)
-        self.attention_out_norm = optional_norm(post, args.dim, args.norm_eps)
-        self.ffn_norm = optional_norm(pre, args.dim, args.norm_eps)
+        self.attention_out_norm = optional_norm(post, args.dim, args.norm_eps, args.norm_unit_offset)
+        self.ffn_norm = optional_norm(pre, args.dim, args.norm_eps, args.norm_unit_offset)
         if args.is_moe_layer(index):
             shared = args.moe_shared_experts * args.moe_expert_hidden_dim
             self.feed_forward = MoE(args, FeedForward(args.dim, shared, args.ffn_activation) if shared else None)
         else:
             self.feed_forward = FeedForward(args.dim, args.hidden_dim, args.ffn_activation)
-        self.ffn_out_norm = optional_norm(post, args.dim, args.norm_eps)
+        self.ffn_out_norm = optional_norm(post, args.dim, args.norm_eps, args.norm_unit_offset)
         self.residual_scale = args.residual_scale  # completep: 1 / m_L on each branch
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor | None, cache_k: torch.Tensor | None = None,
@@ -134,7 +134,7 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset)
         self.output = LMHead(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight

@@ -48,6 +48,10 @@ def _rms(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
+def _norms_of(sd: dict, offset: float) -> dict:
+    return {k: v + offset if k.endswith("norm.weight") else v for k, v in sd.items()}
+
+
 def _rope(x, theta, rd, pos):
     """x (B, T, h, hd): the first rd dims rotated, pairs (i, i + rd/2), positions pos (T,)."""
     inv = 1.0 / theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd)
@@ -60,6 +64,7 @@ def _rope(x, theta, rd, pos):
 
 def reference_logits(model: Transformer, tokens: torch.Tensor, documents: torch.Tensor | None = None):
     a, sd = model.args, {k: v.float() for k, v in model.state_dict().items()}
+    sd = _norms_of(sd, 1.0 if a.norm_unit_offset else 0.0)  # (Gemma's norms: x (1 + w))
     B, T = tokens.shape
     H, KV, hd, eps = a.n_heads, a.kv_heads, a.head_dim, a.norm_eps
     pos = torch.arange(T)
@@ -85,7 +90,7 @@ def reference_logits(model: Transformer, tokens: torch.Tensor, documents: torch.
             rd = 2 * int(hd * a.rope_fraction / 2)
             q, k = _rope(q, theta, rd, pos), _rope(k, theta, rd, pos)
         k, v = k.repeat_interleave(H // KV, dim=2), v.repeat_interleave(H // KV, dim=2)
-        scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(hd)  # (B, H, T, S)
+        scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(a.query_scale_dim or hd)  # (B, H, T, S)
         allowed = pos[None, :] <= pos[:, None]
         if local:
             allowed = allowed & (pos[:, None] - pos[None, :] < a.sliding_window)
@@ -124,9 +129,12 @@ OPTIONS = {
     "attn_sinks": (dict(attn_sinks=True), None),
     "gelu_tanh": (dict(ffn_activation="gelu_tanh"), dict(ffn_activation="silu")),
     "embed_scale": (dict(embed_scale=4.0, tie_embeddings=True), dict(embed_scale=1.0)),
+    "norm_unit_offset": (dict(norm_unit_offset=True, qk_norm="head", norm_placement="sandwich"),
+                         dict(norm_unit_offset=False)),
+    "query_scale_dim": (dict(query_scale_dim=5), dict(query_scale_dim=0)),
     "everything": (dict(WINDOWED, head_size=16, qk_norm="head", norm_placement="sandwich", qkv_bias=True,
                         attn_out_bias=True, rope_local_theta=100.0, nope_period=4, rope_fraction=0.5, attn_sinks=True,
-                        ffn_activation="gelu_tanh", embed_scale=2.0), None),
+                        ffn_activation="gelu_tanh", embed_scale=2.0, norm_unit_offset=True, query_scale_dim=20), None),
 }
 
 

@@ -1,0 +1,123 @@
+"""Continued pretraining from the open families (pretrain/hf/mapping.py) on the user's path: a tiny
+random Qwen3-MoE, OLMo 3, Gemma 3 and SmolLM3 built from transformers' config classes and saved to a
+folder (never downloaded) -> `pretrain train` with checkpoint.init_from in bf16, ZeRO-3, activation
+checkpointing, 2 ranks and 1,024 tokens (the MoE with expert parallelism 2): the run's first eval is
+transformers' loss on the same windows, and its checkpoint exports to the same tensors (rounded to
+bf16), bit for bit.
+And Qwen3-MoE trained with expert parallelism 2 on 2 ranks as on 1 rank, in fp32."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import REPO, losses_and_norms, pretrain, read_metrics, run_train
+
+pytestmark = pytest.mark.slow
+transformers = pytest.importorskip("transformers")
+
+CONTINUE = REPO / "configs" / "continue_smollm2.yaml"  # init_from and tokenizer overridden to local dirs
+TOKENIZER = REPO / "data_pipeline" / "assets" / "python-docs-bpe.json"
+COMMON = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.05, pad_token_id=None)
+# model_type -> (config class, its fields): each family's distinctive pieces at 1,024 tokens (windows of
+# 128, NoPE blocks, (1 + w) norms, a dense first block and renormalised top-2 of 4 experts)
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_hidden_layers=3, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0])),
+    "olmo3": ("Olmo3Config", dict(num_hidden_layers=4, sliding_window=128, rope_theta=500000.0)),
+    "gemma3_text": ("Gemma3TextConfig", dict(num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24,
+                                             sliding_window=128, sliding_window_pattern=3, rope_theta=1e6,
+                                             rope_local_base_freq=10000.0)),
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, no_rope_layer_interval=2)),
+}
+USER_PATH = ["data.seq_len=1024", "train.micro_batch_size=1", "train.global_batch_size=2", "train.precision=bf16",
+             "distributed.zero_stage=3", "train.activation_checkpointing=1", "distributed.param_persistence_threshold=0",
+             "logging.wandb=disabled", "logging.log_every=1", "data.num_streams=2"]
+
+
+def hf_dir(path: Path, model_type: str) -> Path:
+    """A random model of the family saved by transformers, with our builtin tokenizer; its norms and
+    biases drawn away from their init (Gemma's stored w around 0: gains around 1)."""
+    from tokenizers import Tokenizer
+
+    config_class, fields = FAMILIES[model_type]
+    vocab = Tokenizer.from_file(str(TOKENIZER)).get_vocab_size()
+    cfg = getattr(transformers, config_class)(vocab_size=vocab, **COMMON, **fields)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                centre = 1.0 if "norm" in name and model_type != "gemma3_text" else 0.0
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2 + centre)
+    model.save_pretrained(path)
+    shutil.copy(TOKENIZER, path / "tokenizer.json")
+    return path
+
+
+def hf_weights(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def transformers_loss(src: Path, run: Path) -> float:
+    """transformers' own model of `src`, fp32: the mean next-token loss over the windows the run's
+    first eval scored (data_pipeline.evaluation_windows of its config, 1 global batch)."""
+    import data_pipeline as dp
+    from pretrain.config import load_config
+
+    cfg = load_config(run / "config.yaml", saved=True)
+    tokenizer = dp.load_tokenizer(str(cfg.data.tokenizer))
+    windows = dp.evaluation_windows(cfg.data, tokenizer, 0, 1, cfg.global_batch(2) * cfg.train.eval_batches)
+    batch = torch.stack([torch.from_numpy(w.astype("int64")) for w in windows])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(batch[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_a_family_continues_on_the_users_path_from_transformers_loss(model_type, tmp_path):
+    """One step at lr 0 in bf16, ZeRO-3, activation checkpointing, 2 ranks, 1,024 tokens (Qwen3-MoE
+    with expert_parallel=2): the eval at step 1 is transformers' fp32 loss on the same windows within
+    bf16's rounding, and the export is the source in bf16 (the precision the run trains from), every
+    tensor bit for bit."""
+    src = hf_dir(tmp_path / "hf", model_type)
+    run, out = tmp_path / "run", tmp_path / "out"
+    ep = ["distributed.expert_parallel=2"] if model_type == "qwen3_moe" else []
+    proc = run_train(USER_PATH + ep + [f"checkpoint.init_from={src}", f"data.tokenizer={src}", "optimizer.lr=0",
+                                       "schedule.min_lr=0", "train.max_steps=1", "train.eval_every=1",
+                                       "train.eval_batches=1", f"train.run_dir={run}"], nproc=2, config=CONTINUE,
+                     timeout=600)
+    assert "from the Hugging Face model" in proc.stdout
+    [record] = [r for r in read_metrics(run) if "eval/loss" in r]
+    want = transformers_loss(src, run)
+    assert record["eval/loss"] == pytest.approx(want, rel=5e-3), (record["eval/loss"], want)
+    pretrain(["export", str(run / "checkpoints"), str(out)])
+    assert json.loads((out / "config.json").read_text())["model_type"] == model_type
+    start, exported = hf_weights(src), hf_weights(out)
+    assert sorted(exported) == sorted(start)
+    for name in start:  # (a bf16 run's fp32 master weights start from the bf16 model: the source's bf16 values)
+        assert torch.equal(exported[name], start[name].bfloat16().float()), name
+
+
+def test_qwen3_moe_with_expert_parallelism_trains_as_one_rank(tmp_path):
+    """From a Qwen3-MoE folder, fp32, ZeRO-3: 2 ranks with expert_parallel=2 (2 of the 4 experts each)
+    repeat 1 rank holding every expert, losses and gradient norms within 1e-6 for 3 steps."""
+    src = hf_dir(tmp_path / "hf", "qwen3_moe")
+    common = [f"checkpoint.init_from={src}", f"data.tokenizer={src}", "data.seq_len=64", "train.global_batch_size=4",
+              "train.max_steps=3", "train.precision=fp32", "distributed.zero_stage=3", "logging.wandb=disabled",
+              "logging.log_every=1", "train.eval_every=0", "data.num_streams=2", "optimizer.lr=1e-3",
+              "schedule.warmup_steps=1"]
+    run_train(common + ["train.micro_batch_size=4", f"train.run_dir={tmp_path / 'one'}"], config=CONTINUE)
+    run_train(common + ["train.micro_batch_size=2", "distributed.expert_parallel=2", f"train.run_dir={tmp_path / 'ep2'}"],
+              nproc=2, config=CONTINUE)
+    want, got = losses_and_norms(tmp_path / "one"), losses_and_norms(tmp_path / "ep2")
+    assert sorted(want) == [1, 2, 3] and want[3] != want[1]
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-6), (step, want, got)
