@@ -4,10 +4,10 @@ one tensor at a time from `model.safetensors` or sharded `model-0000x-of-0000y.s
 huggingface_hub cache).
 
 The families of pretrain/hf/mapping.py load (`model_type` llama, mistral without a sliding window,
-mixtral, qwen2, qwen3, olmo2); what a family's config asks for that the model lacks is refused by
-name. The config is read as JSON, not through a transformers class, so a directory written by
-transformers 4.x (`rope_theta`, `rope_scaling`) and one written by 5.x (`rope_parameters`) read the
-same.
+mixtral, qwen2, qwen3, qwen3_moe, olmo2, olmo3, gemma3_text, smollm3); what a family's config asks
+for that the model lacks is refused by name. The config is read as JSON (through a transformers class
+only for a window family's default `layer_types`), so a directory written by transformers 4.x
+(`rope_theta`, `rope_scaling`) and one written by 5.x (`rope_parameters`) read the same.
 """
 
 from __future__ import annotations
