@@ -443,3 +443,24 @@ def test_an_moes_balancing_may_change_on_a_resume_and_old_checkpoints_resume(tmp
     run.close(trained=True)
     with pytest.raises(CheckpointError, match="moe_experts: checkpoint 0 vs config 4"):
         manager(tmp_path / "dense", resume="auto", args=dataclasses.replace(ARGS, n_layers=1, moe_experts=4))
+
+
+def test_a_checkpoint_that_predates_a_recipe_field_reads_it_as_llamas(tmp_path):
+    """A checkpoint written before meta.json recorded the newest per-layer fields (norm_unit_offset,
+    query_scale_dim: it has qk_norm and the others) is a block without them: it resumes as such, and a
+    resume that asks for them is refused (it was taken silently: a missing function field is not
+    compared)."""
+    ckpt = _saved(tmp_path / "run")
+
+    def unrecorded(meta):
+        for key in ("model_shape", "model_function"):
+            meta[key] = {k: v for k, v in meta[key].items() if k not in ("norm_unit_offset", "query_scale_dim")}
+
+    rewrite_meta(ckpt, unrecorded)
+    run, _, start, _ = manager(tmp_path / "run", resume="auto")
+    assert start.kind == "resume"
+    run.close(trained=True)
+    for change, named in (({"norm_unit_offset": True}, "norm_unit_offset: checkpoint False vs config True"),
+                          ({"query_scale_dim": 8}, "query_scale_dim: checkpoint 0 vs config 8")):
+        with pytest.raises(CheckpointError, match=named):
+            manager(tmp_path / "run", resume="auto", args=dataclasses.replace(ARGS, **change))

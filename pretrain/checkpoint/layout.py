@@ -122,13 +122,14 @@ def read_meta(ckpt: Path) -> dict:
                               "upgrade pretrain")
     if isinstance(meta.get("model_shape"), dict) and "moe_experts" not in meta["model_shape"]:
         _fill_moe_fields(ckpt, meta)
-    if isinstance(meta.get("model_shape"), dict) and "qk_norm" not in meta["model_shape"]:
+    if isinstance(meta.get("model_shape"), dict):  # (the fields a checkpoint predates are Llama's)
         _fill_recipe_fields(meta)
     return meta
 
 
 def _fill_recipe_fields(meta: dict) -> None:
-    """A checkpoint written before meta.json recorded the per-layer description: a Llama block's."""
+    """The per-layer fields a checkpoint's meta.json predates (all of them, or those added since): a
+    Llama block's."""
     shape = meta["model_shape"]
     llama = ModelArgs(dim=shape.get("dim", 256), n_heads=shape.get("n_heads", 4))
     meta["model_shape"] = {**model_shape(llama, RECIPE_SHAPE_FIELDS), **shape}
