@@ -73,7 +73,8 @@ SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "hidden_
 # Fields that change what the model computes, not its shapes: a resume must keep them (it continues
 # one run); fine-tuning may change them (a larger rope_theta to extend the context, say).
 FUNCTION_FIELDS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                   "rope_original_max_seq_len", "document_mask", "document_positions", "eot_id") \
+                   "rope_original_max_seq_len", "rope_scaling_type", "rope_yarn_beta_fast", "rope_yarn_beta_slow",
+                   "rope_yarn_truncate", "rope_yarn_attention_factor", "document_mask", "document_positions", "eot_id") \
     + MOE_FUNCTION_FIELDS + RECIPE_FUNCTION_FIELDS
 
 

@@ -247,7 +247,7 @@ def family_of(args: ModelArgs) -> Family:
 def moe_problems(args: ModelArgs, family: Family | None = None) -> list[str]:
     """What keeps an MoE model from being its family's (Mixtral: a softmax router whose k weights
     are renormalised, every block MoE; Qwen3-MoE: a softmax router, the first blocks may be dense;
-    neither has a shared expert or scaled RoPE); empty when it is one."""
+    neither has a shared expert; Mixtral's RoPE is plain); empty when it is one."""
     family = family or family_of(args)
     out = []
     if args.moe_router != "softmax" or (family.name == "Mixtral" and not args.moe_norm_topk):
@@ -257,8 +257,8 @@ def moe_problems(args: ModelArgs, family: Family | None = None) -> list[str]:
         out.append(f"model.moe_shared_experts={args.moe_shared_experts} ({family.name} has no shared expert)")
     if args.moe_dense_layers and family.name == "Mixtral":
         out.append(f"model.moe_dense_layers={args.moe_dense_layers} (every Mixtral block is MoE)")
-    if args.rope_scaling_factor:
-        out.append(f"model.rope_scaling_factor ({family.name}'s RoPE is plain)")
+    if args.rope_scaling_factor and family.name == "Mixtral":
+        out.append("model.rope_scaling_factor (Mixtral's RoPE is plain)")
     return out
 
 
@@ -312,12 +312,35 @@ def to_hf_config(args: ModelArgs):
 
 
 def rope_scaling(args: ModelArgs) -> dict | None:
-    """HF's `rope_scaling` of the model (None without scaling)."""
-    if not args.rope_scaling_factor:
+    """HF's `rope_scaling` of the model (None without scaling): llama3 or yarn."""
+    scaling = args.rope_scaling
+    if scaling is None:
         return None
+    if scaling["kind"] == "yarn":
+        out = {"rope_type": "yarn", "factor": args.rope_scaling_factor, "beta_fast": args.rope_yarn_beta_fast,
+               "beta_slow": args.rope_yarn_beta_slow, "truncate": args.rope_yarn_truncate,
+               "original_max_position_embeddings": args.rope_original_max_seq_len}
+        return {**out, "attention_factor": args.rope_yarn_attention_factor} if args.rope_yarn_attention_factor else out
     return {"rope_type": "llama3", "factor": args.rope_scaling_factor, "low_freq_factor": args.rope_low_freq_factor,
             "high_freq_factor": args.rope_high_freq_factor,
             "original_max_position_embeddings": args.rope_original_max_seq_len}
+
+
+def _scaling_from_hf(rope: dict) -> dict:
+    """ModelArgs' RoPE scaling fields from HF's llama3 or yarn parameters (ValueError naming what lacks)."""
+    kind = rope.get("rope_type", rope.get("type"))
+    needs = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+             "yarn": ("factor", "original_max_position_embeddings")}[kind]
+    lacking = [k for k in needs if rope.get(k) is None]
+    if lacking:
+        raise ValueError(f"{kind} RoPE scaling without {', '.join(lacking)} (rope_scaling needs {', '.join(needs)})")
+    out = dict(rope_scaling_factor=float(rope["factor"]), rope_original_max_seq_len=int(rope["original_max_position_embeddings"]))
+    if kind == "llama3":
+        return {**out, "rope_low_freq_factor": float(rope["low_freq_factor"]),
+                "rope_high_freq_factor": float(rope["high_freq_factor"])}
+    return {**out, "rope_scaling_type": "yarn", "rope_yarn_beta_fast": float(rope.get("beta_fast") or 32),
+            "rope_yarn_beta_slow": float(rope.get("beta_slow") or 1), "rope_yarn_truncate": bool(rope.get("truncate", True)),
+            "rope_yarn_attention_factor": float(rope.get("attention_factor") or 0.0)}
 
 
 # model_type -> why it does not load (any other model_type that FAMILIES lacks: "not a family this model holds")
@@ -356,8 +379,10 @@ def from_hf_dict(raw: dict) -> ModelArgs:
     bad = [f"{key}={raw[key]!r} ({why.format_map(values)})" for key, (_, why) in family.off.items() if raw.get(key)]
     if (raw.get("num_local_experts") or raw.get("num_experts")) and not family.experts:
         bad.append("a mixture of experts")
-    if rope_type not in ("default", "llama3"):
-        bad.append(f"RoPE scaling {rope_type!r} (plain RoPE and llama3 load)")
+    if rope_type not in ("default", "llama3", "yarn"):
+        bad.append(f"RoPE scaling {rope_type!r} (plain RoPE, llama3 and yarn load)")
+    elif rope_type == "yarn" and (rope.get("mscale") or rope.get("mscale_all_dim")):
+        bad.append("yarn RoPE scaling with mscale and mscale_all_dim (DeepSeek's attention factor)")
     if rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
         bad.append("partial_rotary_factor (RoPE on part of each head)")
     kinds = raw.get("layer_types") or ["full_attention"] * raw["num_hidden_layers"]
@@ -382,16 +407,7 @@ def from_hf_dict(raw: dict) -> ModelArgs:
     own = family.read(raw, bad) if family.read else {}
     if bad:
         raise ValueError(f"not supported: {family.name} with " + "; ".join(bad))
-    scaling = {}
-    if rope_type == "llama3":
-        lacking = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-                   if k not in rope]
-        if lacking:
-            raise ValueError(f"llama3 RoPE scaling without {', '.join(lacking)} (rope_scaling needs factor, "
-                             "low_freq_factor, high_freq_factor and original_max_position_embeddings)")
-        scaling = dict(rope_scaling_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
-                       rope_high_freq_factor=float(rope["high_freq_factor"]),
-                       rope_original_max_seq_len=int(rope["original_max_position_embeddings"]))
+    scaling = _scaling_from_hf(rope) if rope_type != "default" else {}
     head_dim = raw.get("head_dim") or 0  # (0: hidden_size / num_attention_heads, ours as theirs)
     args = ModelArgs(
         dim=hidden,

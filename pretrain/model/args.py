@@ -24,7 +24,12 @@ class ModelArgs:
     rope_scaling_factor: float = 0.0  # Llama 3.1 ("llama3") RoPE scaling: low frequencies slowed this much (0 = none)
     rope_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above original/low_freq_factor are scaled fully
     rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original/high_freq_factor are kept
-    rope_original_max_seq_len: int = 8192  # llama3 scaling: the context the model was pretrained at
+    rope_original_max_seq_len: int = 8192  # llama3 and yarn scaling: the context the model was pretrained at
+    rope_scaling_type: str = "llama3"  # what rope_scaling_factor does: llama3 (Llama 3.1) | yarn (YaRN: Qwen3, OLMo 3, GPT-OSS)
+    rope_yarn_beta_fast: float = 32.0  # yarn: dimensions turning more than this often in the original context keep their frequency
+    rope_yarn_beta_slow: float = 1.0  # yarn: those turning less often than this are interpolated fully (the ramp between)
+    rope_yarn_truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions (GPT-OSS: false)
+    rope_yarn_attention_factor: float = 0.0  # yarn: cos and sin multiplied by this (0 = 0.1 ln(factor) + 1)
     max_seq_len: int = 2048  # longest sequence in tokens (RoPE table and KV-cache size)
     document_mask: bool = False  # each token attends only to its own document of a packed sequence (docs/long_context.md)
     document_positions: bool = False  # with document_mask: RoPE positions restart at 0 at each document
@@ -73,6 +78,19 @@ class ModelArgs:
         return self.head_size or self.dim // self.n_heads
 
     @property
+    def rope_scaling(self) -> dict | None:
+        """The global layers' RoPE scaling for rope.precompute_freqs_cis (None without one)."""
+        if not self.rope_scaling_factor:
+            return None
+        if self.rope_scaling_type == "yarn":
+            return dict(kind="yarn", factor=self.rope_scaling_factor, original=self.rope_original_max_seq_len,
+                        beta_fast=self.rope_yarn_beta_fast, beta_slow=self.rope_yarn_beta_slow,
+                        truncate=self.rope_yarn_truncate,
+                        attention_factor=self.rope_yarn_attention_factor or 0.1 * math.log(self.rope_scaling_factor) + 1)
+        return dict(kind="llama3", factor=self.rope_scaling_factor, low=self.rope_low_freq_factor,
+                    high=self.rope_high_freq_factor, original=self.rope_original_max_seq_len)
+
+    @property
     def rotary_dim(self) -> int:
         """Dimensions of each head that RoPE rotates (even): head_dim x rope_fraction."""
         return 2 * int(self.head_dim * self.rope_fraction / 2)
@@ -93,8 +111,9 @@ class ModelArgs:
 
     @property
     def local_rope_table(self) -> bool:
-        """Whether local layers rotate by a RoPE base of their own."""
-        return bool(self.rope_local_theta) and "local" in self.layer_pattern
+        """Whether local layers read a RoPE table of their own: a base of their own, or the global
+        layers' without its scaling (RoPE scaling applies to the global layers only)."""
+        return bool(self.rope_local_theta or self.rope_scaling_factor) and "local" in self.layer_pattern
 
     @property
     def windows(self) -> list[int]:
@@ -229,6 +248,9 @@ class ModelArgs:
                                          or not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
             out.append("model.rope_scaling_factor must be 0 (none) or >= 1, with 0 < rope_low_freq_factor < "
                        "rope_high_freq_factor and rope_original_max_seq_len > 0")
+        _choice(out, "rope_scaling_type", self.rope_scaling_type, ("llama3", "yarn"))
+        if not (self.rope_yarn_beta_fast > 0 and self.rope_yarn_beta_slow > 0 and self.rope_yarn_attention_factor >= 0):
+            out.append("model.rope_yarn_beta_fast and rope_yarn_beta_slow must be > 0, rope_yarn_attention_factor >= 0")
         if self.init_std <= 0:
             out.append(f"model.init_std={self.init_std} must be positive")
         # (vocab_size 0 is filled from the tokenizer: Config.validate checks the resolved model again)
@@ -334,6 +356,8 @@ def _choice(out: list[str], name: str, value, allowed: tuple) -> None:
 # (continuing a checkpoint at a longer context: docs/long_context.md), and `pretrain eval` may score
 # a model under other values.
 ROPE_FIELDS = ("max_seq_len", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+               "rope_scaling_type", "rope_yarn_beta_fast", "rope_yarn_beta_slow", "rope_yarn_truncate",
+               "rope_yarn_attention_factor",
                "rope_original_max_seq_len")
 
 

@@ -147,12 +147,11 @@ class Transformer(nn.Module):
 
     def rope_table(self, device: torch.device | str | None = None, local: bool = False) -> torch.Tensor:
         """This model's RoPE table (or its local layers'), fp32: (max_seq_len, rotary_dim / 2, 2).
-        Llama 3.1's scaling applies to the global layers only, as Gemma 3 scales its global ones."""
+        Llama 3.1's or YaRN's scaling applies to the global layers only, as Gemma 3 and OLMo 3 scale
+        their global ones."""
         a = self.args
-        scaling = (a.rope_scaling_factor, a.rope_low_freq_factor, a.rope_high_freq_factor,
-                   a.rope_original_max_seq_len) if a.rope_scaling_factor and not local else None
-        theta = a.rope_local_theta if local else a.rope_theta
-        return precompute_freqs_cis(a.rotary_dim, a.max_seq_len, theta, scaling).to(device)
+        theta = (a.rope_local_theta or a.rope_theta) if local else a.rope_theta
+        return precompute_freqs_cis(a.rotary_dim, a.max_seq_len, theta, None if local else a.rope_scaling).to(device)
 
     def reset_rope_table(self) -> None:
         """Rebuild the tables in fp32 on the device they are on. bf16 would round positions past 256

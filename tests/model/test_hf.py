@@ -159,3 +159,51 @@ def test_config_json_of_4x_and_5x_read_the_same():
     v4 = from_hf_dict({**base, "rope_theta": 500000.0, "rope_scaling": dict(LLAMA3)})
     v5 = from_hf_dict({**base, "rope_parameters": {**LLAMA3, "rope_theta": 500000.0}})
     assert v4 == v5 and v4.rope_theta == 500000.0 and v4.rope_scaling_factor == 8.0
+
+
+# YaRN as Qwen3 (truncated ramp, attention factor from the factor), GPT-OSS (no truncation) and OLMo 3
+# (an attention factor of its own) set it
+YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32}
+YARNS = {"qwen3": YARN, "untruncated": {**YARN, "truncate": False, "beta_fast": 16.0, "beta_slow": 2.0},
+         "attention-factor": {**YARN, "factor": 4.0, "attention_factor": 1.2}}
+
+
+@pytest.mark.parametrize("case", sorted(YARNS))
+def test_yarn_rope_scaling_matches_hf_past_the_original_context(case):
+    """The table against transformers' own YaRN (inverse frequencies and attention factor), and a
+    Llama with YaRN both ways: its logits within 1e-5 over 200 positions (32 trained), greedy
+    generation with the KV cache giving transformers' tokens; without the scaling, other logits."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pretrain.model.rope import precompute_freqs_cis
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   rope_theta=500000.0, rope_scaling=dict(YARNS[case]), rms_norm_eps=1e-5)
+    cfg._attn_implementation = "eager"
+    args = from_hf_config(cfg)
+    assert (args.rope_scaling_type, args.rope_scaling_factor, args.rope_original_max_seq_len) == \
+        ("yarn", YARNS[case]["factor"], 32)
+    inv_freq, gain = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    table = precompute_freqs_cis(16, 256, 500000.0, args.rope_scaling)
+    angles = torch.outer(torch.arange(256, dtype=torch.float32), inv_freq)
+    torch.testing.assert_close(table, torch.stack((angles.cos() * gain, angles.sin() * gain), -1), rtol=0, atol=1e-6)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).float().eval()
+    ours = Transformer(args)
+    ours.load_state_dict(from_hf_state_dict(hf.state_dict(), args), strict=True)
+    ours.eval()
+    back = to_hf_config(args).to_dict()["rope_parameters"]
+    assert {k: back[k] for k in YARNS[case]} == YARNS[case]
+    tokens = torch.randint(0, 256, (2, 200), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
+        plain = Transformer(dataclasses.replace(args, rope_scaling_factor=0.0))
+        plain.load_state_dict(ours.state_dict())
+        assert (plain(tokens) - hf(tokens).logits).abs().max() > 1e-3
+    from pretrain.model.generate import sample
+
+    prompt = tokens[0, :20].tolist()
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=60, do_sample=False, min_new_tokens=60,
+                       pad_token_id=0)[0, 20:].tolist()
+    assert sample(ours, prompt, 60, temperature=0.0) == want

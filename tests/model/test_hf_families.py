@@ -35,12 +35,19 @@ CASES = {
     "qwen3_moe": ("qwen3_moe", dict(head_dim=32, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0])),
     "qwen3_moe-unnormalised": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                                                 norm_topk_prob=False, tie_word_embeddings=True)),
+                                                 norm_topk_prob=False, tie_word_embeddings=True,
+                                                 rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                                  "original_max_position_embeddings": 16})),
     # OLMo 3: 3 sliding-window blocks to 1 global (its config class's pattern), a window of 8 of the 40
     # tokens; the local blocks' RoPE base its own here (OLMo 3's are equal)
     "olmo3": ("olmo3", dict(num_hidden_layers=4, sliding_window=8,
                             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
                                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # OLMo 3's long-context models: YaRN on the global blocks (an attention factor of its own), none on the local
+    "olmo3-yarn": ("olmo3", dict(num_hidden_layers=4, sliding_window=8, rope_parameters={
+        "full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                           "attention_factor": 1.2, "rope_theta": 500000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}})),
     # Gemma 3: 2 local blocks to 1 global, RoPE bases 10k and 1M, head_dim 32 (not 64 / 4) and the
     # attention scaled by query_pre_attn_scalar 24 (not head_dim), tied
     "gemma3": ("gemma3_text", dict(num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
@@ -126,7 +133,8 @@ WINDOWS = dict(sliding_window=8, layer_pattern=["local", "local", "global"], n_l
 EXPORTS = {"qwen2": dict(tie_embeddings=True), "qwen3": dict(head_size=32, n_layers=3), "olmo2": dict(z_loss=1e-5),
            "qwen3_moe": dict(head_size=32, n_layers=3, moe_experts=4, moe_top_k=2, moe_hidden_dim=32,
                              moe_dense_layers=1),
-           "olmo3": dict(WINDOWS, rope_local_theta=1000.0, rope_theta=500000.0),
+           "olmo3": dict(WINDOWS, rope_local_theta=1000.0, rope_theta=500000.0, rope_scaling_factor=4.0,
+                         rope_scaling_type="yarn", rope_original_max_seq_len=16, rope_yarn_attention_factor=1.2),
            "gemma3_text": dict(WINDOWS, head_size=32, query_scale_dim=24, rope_local_theta=10000.0, rope_theta=1e6,
                                tie_embeddings=True),
            "smollm3": dict(n_layers=4, nope_period=2, tie_embeddings=True)}
@@ -187,7 +195,8 @@ def test_hf_to_ours_to_hf_is_bitwise(hf_dir):
 # (the piece's weights dropped, or OLMo 2's post-norms read as Llama's pre-norms).
 NO_WINDOW = dict(sliding_window=0, layer_pattern=[])
 PIECES = {"qwen2": ["qkv_bias"], "qwen3": ["qk_norm"], "olmo2": ["qk_norm", "norm_placement"],
-          "qwen3_moe": ["qk_norm", "moe_norm_topk"], "olmo3": ["qk_norm", "norm_placement", NO_WINDOW, "rope_local_theta"],
+          "qwen3_moe": ["qk_norm", "moe_norm_topk", "rope_scaling_factor"],
+          "olmo3": ["qk_norm", "norm_placement", NO_WINDOW, "rope_local_theta", "rope_scaling_factor"],
           "gemma3_text": ["norm_unit_offset", "embed_scale", "query_scale_dim", "ffn_activation", NO_WINDOW, "norm_placement",
                           "rope_local_theta", "qk_norm"],
           "smollm3": ["nope_period"]}
@@ -212,6 +221,8 @@ def test_each_distinctive_piece_changes_the_logits(hf_dir):
             change = piece if isinstance(piece, dict) else {piece: getattr(ModelArgs(), piece)}
             if piece == "moe_norm_topk":  # (either way: the case with, the case without)
                 change = {piece: not args.moe_norm_topk}
+            if all(getattr(args, k) == v for k, v in change.items()):
+                continue  # (a case without the piece: YaRN in one of two OLMo 3 cases)
             without = dataclasses.replace(args, **change)
             model = Transformer(without)
             post = piece == "norm_placement" and args.norm_placement == "post"
@@ -255,8 +266,8 @@ SLIDING = dict(use_sliding_window=True, sliding_window=32, max_window_layers=1)
     pytest.param("qwen3", dict(attention_bias=True), "attention_bias=True (biases on q_proj, k_proj, v_proj and "
                  "o_proj)", id="qwen3-attention-bias"),
     pytest.param("olmo2", dict(attention_bias=True), "attention_bias=True", id="olmo2-attention-bias"),
-    pytest.param("qwen2", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
-                 "RoPE scaling 'yarn'", id="qwen2-yarn"),
+    pytest.param("qwen2", dict(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6}),
+                 "RoPE scaling 'longrope'", id="qwen2-longrope"),
     pytest.param("qwen3", dict(rope_parameters=None, rope_theta=1e6, rope_scaling={"type": "dynamic", "factor": 2.0}),
                  "RoPE scaling 'dynamic'", id="qwen3-dynamic-as-4x-writes-it"),
     pytest.param("olmo2", dict(hidden_act="gelu"), "hidden_act='gelu'", id="olmo2-gelu"),
