@@ -1,7 +1,7 @@
 """Continued pretraining from the open families (pretrain/hf/mapping.py) on the user's path: a tiny
-random Qwen3-MoE, OLMo 3, Gemma 3 and SmolLM3 built from transformers' config classes and saved to a
-folder (never downloaded) -> `pretrain train` with checkpoint.init_from in bf16, ZeRO-3, activation
-checkpointing, 2 ranks and 1,024 tokens (the MoE with expert parallelism 2): the run's first eval is
+random Qwen3-MoE, OLMo 3, Gemma 3, SmolLM3 and GPT-OSS built from transformers' config classes and
+saved to a folder (never downloaded) -> `pretrain train` with checkpoint.init_from in bf16, ZeRO-3,
+activation checkpointing, 2 ranks and 1,024 tokens (the MoEs with expert parallelism 2): the run's first eval is
 transformers' loss on the same windows, and its checkpoint exports to the same tensors (rounded to
 bf16), bit for bit.
 And Qwen3-MoE trained with expert parallelism 2 on 2 ranks as on 1 rank, in fp32."""
@@ -32,6 +32,11 @@ FAMILIES = {
                                              sliding_window=128, sliding_window_pattern=3, rope_theta=1e6,
                                              rope_local_base_freq=10000.0)),
     "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, no_rope_layer_interval=2)),
+    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=2, head_dim=16, sliding_window=128, num_local_experts=4,
+                                     num_experts_per_tok=2, intermediate_size=32, swiglu_limit=0.4,
+                                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                      "original_max_position_embeddings": 256})),
 }
 USER_PATH = ["data.seq_len=1024", "train.micro_batch_size=1", "train.global_batch_size=2", "train.precision=bf16",
              "distributed.zero_stage=3", "train.activation_checkpointing=1", "distributed.param_persistence_threshold=0",
@@ -45,13 +50,13 @@ def hf_dir(path: Path, model_type: str) -> Path:
 
     config_class, fields = FAMILIES[model_type]
     vocab = Tokenizer.from_file(str(TOKENIZER)).get_vocab_size()
-    cfg = getattr(transformers, config_class)(vocab_size=vocab, **COMMON, **fields)
+    cfg = getattr(transformers, config_class)(vocab_size=vocab, **{**COMMON, **fields})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1:
+            if p.dim() == 1 or name.endswith("_bias"):  # (GPT-OSS's expert biases: (E, ...))
                 centre = 1.0 if "norm" in name and model_type != "gemma3_text" else 0.0
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2 + centre)
     model.save_pretrained(path)
@@ -84,12 +89,12 @@ def transformers_loss(src: Path, run: Path) -> float:
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_a_family_continues_on_the_users_path_from_transformers_loss(model_type, tmp_path):
     """One step at lr 0 in bf16, ZeRO-3, activation checkpointing, 2 ranks, 1,024 tokens (Qwen3-MoE
-    with expert_parallel=2): the eval at step 1 is transformers' fp32 loss on the same windows within
+    and GPT-OSS with expert_parallel=2): the eval at step 1 is transformers' fp32 loss on the same windows within
     bf16's rounding, and the export is the source in bf16 (the precision the run trains from), every
     tensor bit for bit."""
     src = hf_dir(tmp_path / "hf", model_type)
     run, out = tmp_path / "run", tmp_path / "out"
-    ep = ["distributed.expert_parallel=2"] if model_type == "qwen3_moe" else []
+    ep = ["distributed.expert_parallel=2"] if model_type in ("qwen3_moe", "gpt_oss") else []
     proc = run_train(USER_PATH + ep + [f"checkpoint.init_from={src}", f"data.tokenizer={src}", "optimizer.lr=0",
                                        "schedule.min_lr=0", "train.max_steps=1", "train.eval_every=1",
                                        "train.eval_batches=1", f"train.run_dir={run}"], nproc=2, config=CONTINUE,

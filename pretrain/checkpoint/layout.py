@@ -62,7 +62,8 @@ MOE_FUNCTION_FIELDS = ("moe_top_k", "moe_router", "moe_norm_topk")
 # The per-layer description's fields (docs/model.md): the weights it adds or removes are shape, the rest
 # function. Checkpoints written before it existed are Llama blocks: read_meta fills these fields in
 # with their defaults. z_loss, a loss weight, is free.
-RECIPE_SHAPE_FIELDS = ("head_dim", "norm_placement", "qk_norm", "qkv_bias", "attn_out_bias", "attn_sinks")
+RECIPE_SHAPE_FIELDS = ("head_dim", "norm_placement", "qk_norm", "qkv_bias", "attn_out_bias", "attn_sinks",
+                       "moe_router_bias", "moe_expert_bias")
 RECIPE_FUNCTION_FIELDS = tuple(f for f in RECIPE_FIELDS if f != "head_size" and f not in RECIPE_SHAPE_FIELDS)
 
 # Fields of the model shape that must match to load weights (init scale and presets may differ).
@@ -74,7 +75,8 @@ SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "hidden_
 # one run); fine-tuning may change them (a larger rope_theta to extend the context, say).
 FUNCTION_FIELDS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                    "rope_original_max_seq_len", "rope_scaling_type", "rope_yarn_beta_fast", "rope_yarn_beta_slow",
-                   "rope_yarn_truncate", "rope_yarn_attention_factor", "document_mask", "document_positions", "eot_id") \
+                   "rope_yarn_truncate", "rope_yarn_attention_factor", "rope_local_scaling", "document_mask",
+                   "document_positions", "eot_id") \
     + MOE_FUNCTION_FIELDS + RECIPE_FUNCTION_FIELDS
 
 

@@ -39,7 +39,7 @@ import torch
 
 _SHARD = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MP_RANK = re.compile(r"(^|_)mp_rank_(\d+)_")
-_EXPERTS = re.compile(r"\.experts\.w[123]$")  # an MoE layer's stacked experts (pretrain/model/moe.py)
+_EXPERTS = re.compile(r"\.experts\.[wb][123]$")  # an MoE layer's stacked experts and their biases (pretrain/model/moe.py)
 VERSION = "pretrain-universal 2"  # the `done` marker of a conversion (an older one is made again)
 
 

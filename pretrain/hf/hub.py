@@ -4,7 +4,7 @@ one tensor at a time from `model.safetensors` or sharded `model-0000x-of-0000y.s
 huggingface_hub cache).
 
 The families of pretrain/hf/mapping.py load (`model_type` llama, mistral without a sliding window,
-mixtral, qwen2, qwen3, qwen3_moe, olmo2, olmo3, gemma3_text, smollm3); what a family's config asks
+mixtral, qwen2, qwen3, qwen3_moe, olmo2, olmo3, gemma3_text, gpt_oss, smollm3); what a family's config asks
 for that the model lacks is refused by name. The config is read as JSON (through a transformers class
 only for a window family's default `layer_types`), so a directory written by transformers 4.x
 (`rope_theta`, `rope_scaling`) and one written by 5.x (`rope_parameters`) read the same.
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from pretrain.errors import CheckpointError
-from pretrain.hf.mapping import from_hf_dict, from_hf_state_dict
+from pretrain.hf.mapping import Part, from_hf_dict, from_hf_state_dict
 from pretrain.model.args import ModelArgs
 
 INDEX = "model.safetensors.index.json"
@@ -100,6 +100,8 @@ class LazyWeights:
         hf = self.names[name]
         if isinstance(hf, list):  # a Mixtral's experts, one tensor each: our stacked tensor
             return torch.stack([self._file(self.where[h]).get_tensor(h) for h in hf])
+        if isinstance(hf, Part):  # a view of one tensor (GPT-OSS's experts: gate and up interleaved)
+            return hf.of(self._file(self.where[hf.source]).get_tensor(hf.source)).contiguous()
         return self._file(self.where[hf]).get_tensor(hf)
 
     def _file(self, file: str):
@@ -114,6 +116,9 @@ class LazyWeights:
         hf = self.names[name]
         if isinstance(hf, list):
             return (len(hf), *self._file(self.where[hf[0]]).get_slice(hf[0]).get_shape())
+        if isinstance(hf, Part):
+            shape = self._file(self.where[hf.source]).get_slice(hf.source).get_shape()
+            return tuple(hf.of(torch.empty(shape, device="meta")).shape)
         return tuple(self._file(self.where[hf]).get_slice(hf).get_shape())
 
     def state_dict(self) -> dict[str, torch.Tensor]:

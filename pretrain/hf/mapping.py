@@ -72,7 +72,8 @@ _SLIDING = "sliding-window attention"
 _QWEN_WINDOWS = _SLIDING + " (sliding_window={sliding_window}) from block max_window_layers={max_window_layers} on"
 _BIASES = "biases on q_proj, k_proj, v_proj and o_proj"
 _WINDOWS = ("sliding_window", "layer_pattern", "rope_local_theta")  # a family that reads `layer_types` sets these
-_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}  # model.ffn_activation -> HF's name
+# model.ffn_activation -> HF's name (GPT-OSS's config says silu for its clamped SwiGLU)
+_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "clamped_swiglu": "silu"}
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,11 @@ class Experts:
     hub's checkpoints keep them; transformers 5 fuses them on load), stacked (E, ...) in ours."""
 
     prefix: str  # under model.layers.{i}.
-    names: dict[str, str]  # our w1 (gate), w2 (down), w3 (up) -> HF's
+    names: dict[str, str] = field(default_factory=dict)  # our w1 (gate), w2 (down), w3 (up) -> HF's
     router: str = "gate.weight"
+    # GPT-OSS's instead: every expert in one tensor, gate and up interleaved, with biases
+    # (gate_up_proj (E, D, 2H), gate_up_proj_bias, down_proj (E, H, D), down_proj_bias), a biased router
+    fused: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,7 @@ class Family:
     off: dict[str, tuple] = field(default_factory=dict)
     experts: Experts | None = None  # an MoE family: its expert weights' names
     needs: tuple = ()  # config.json fields of this family alone that it must have
+    flat_rope: bool = False  # one RoPE setting for every kind of layer, its scaling too (GPT-OSS)
     # config.json <-> ModelArgs for the fields of this family alone: read(raw, refusals) -> fields;
     # write(args) -> the config class's keyword arguments
     read: object = None
@@ -168,6 +173,20 @@ def _gemma3_write(args: ModelArgs) -> dict:
     return dict(query_pre_attn_scalar=args.query_scale_dim or args.head_dim)
 
 
+def _gpt_oss_read(raw: dict, bad: list) -> dict:
+    if not raw.get("attention_bias", True):
+        bad.append("attention_bias=False (GPT-OSS's attention projections are biased here)")
+    return dict(moe_experts=raw["num_local_experts"], moe_top_k=raw.get("num_experts_per_tok", 4),
+                moe_hidden_dim=raw["intermediate_size"], swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)))
+
+
+def _gpt_oss_write(args: ModelArgs) -> dict:
+    return dict(num_local_experts=args.moe_experts, num_experts_per_tok=args.moe_top_k,
+                intermediate_size=args.moe_expert_hidden_dim, swiglu_limit=args.swiglu_limit,
+                swiglu_alpha=args.swiglu_alpha, router_aux_loss_coef=args.moe_aux_loss, attention_bias=True)
+
+
 _QWEN3_BLOCK = _ATTENTION | _QK_NORM | _MLP | _PRE_NORMS
 _OLMO2_BLOCK = _ATTENTION | _QK_NORM | _MLP | _POST_NORMS
 
@@ -205,6 +224,14 @@ FAMILIES = {
                                "final_logit_softcapping": (None, "soft-capped output logits"),
                                "use_bidirectional_attention": (False, "bidirectional attention")},
                           read=_gemma3_read, write=_gemma3_write),
+    "gpt_oss": Family("GPT-OSS", "GptOssConfig", "GptOssForCausalLM",
+                      _ATTENTION | _QKV_BIAS | {"attention.wo.bias": "self_attn.o_proj.bias",
+                                                "attention.sinks": "self_attn.sinks"} | _PRE_NORMS,
+                      args=dict(qkv_bias=True, attn_out_bias=True, attn_sinks=True, ffn_activation="clamped_swiglu",
+                                moe_router_bias=True, moe_expert_bias=True),
+                      free=("sliding_window", "layer_pattern", "swiglu_limit", "swiglu_alpha"),
+                      experts=Experts("mlp", router="router.weight", fused=True), flat_rope=True,
+                      read=_gpt_oss_read, write=_gpt_oss_write, needs=("num_local_experts",)),
     "smollm3": Family("SmolLM3", "SmolLM3Config", "SmolLM3ForCausalLM", _ATTENTION | _MLP | _PRE_NORMS, free=("nope_period",),
                       off={"attention_bias": (False, _BIASES), "mlp_bias": (False, "biases in the MLP"),
                            "use_sliding_window": (False, _SLIDING)},
@@ -245,18 +272,19 @@ def family_of(args: ModelArgs) -> Family:
 
 
 def moe_problems(args: ModelArgs, family: Family | None = None) -> list[str]:
-    """What keeps an MoE model from being its family's (Mixtral: a softmax router whose k weights
-    are renormalised, every block MoE; Qwen3-MoE: a softmax router, the first blocks may be dense;
-    neither has a shared expert; Mixtral's RoPE is plain); empty when it is one."""
+    """What keeps an MoE model from being its family's (Mixtral, GPT-OSS: a softmax router whose k
+    weights are renormalised, every block MoE; Qwen3-MoE: a softmax router, the first blocks may be
+    dense; none has a shared expert; Mixtral's RoPE is plain); empty when it is one."""
     family = family or family_of(args)
     out = []
-    if args.moe_router != "softmax" or (family.name == "Mixtral" and not args.moe_norm_topk):
+    renormalised = family.name in ("Mixtral", "GPT-OSS")  # (GPT-OSS: the softmax of the top k logits, the same)
+    if args.moe_router != "softmax" or (renormalised and not args.moe_norm_topk):
         out.append(f"model.moe_router={args.moe_router} with moe_norm_topk={args.moe_norm_topk} ({family.name}'s router "
-                   "is a softmax" + (" whose top-k weights are renormalised)" if family.name == "Mixtral" else ")"))
+                   "is a softmax" + (" whose top-k weights are renormalised)" if renormalised else ")"))
     if args.moe_shared_experts:
         out.append(f"model.moe_shared_experts={args.moe_shared_experts} ({family.name} has no shared expert)")
-    if args.moe_dense_layers and family.name == "Mixtral":
-        out.append(f"model.moe_dense_layers={args.moe_dense_layers} (every Mixtral block is MoE)")
+    if args.moe_dense_layers and family.name != "Qwen3-MoE":
+        out.append(f"model.moe_dense_layers={args.moe_dense_layers} (every {family.name} block is MoE)")
     if args.rope_scaling_factor and family.name == "Mixtral":
         out.append("model.rope_scaling_factor (Mixtral's RoPE is plain)")
     return out
@@ -281,11 +309,18 @@ def to_hf_config(args: ModelArgs):
         if problems:
             raise ValueError(f"not a {family.name}: " + "; ".join(problems))
     rope = dict(rope_theta=args.rope_theta, rope_scaling=rope_scaling(args))
-    if "sliding_window" in family.free:  # per layer kind: `layer_types`, each kind its RoPE
+    local_scaled = args.rope_local_scaling and rope_scaling(args)
+    if family.flat_rope and args.local_rope_table:
+        raise ValueError(f"not a {family.name}: its layers share one RoPE (model.rope_local_theta="
+                         f"{args.rope_local_theta}, rope_local_scaling={args.rope_local_scaling})")
+    if family.flat_rope:
+        rope.update(sliding_window=args.sliding_window or None, layer_types=_layer_types(args))
+    elif "sliding_window" in family.free:  # per layer kind: `layer_types`, each kind its RoPE
         scaling = rope_scaling(args) or {"rope_type": "default"}
         rope = dict(sliding_window=args.sliding_window or None, layer_types=_layer_types(args), rope_parameters={
             "full_attention": {**scaling, "rope_theta": args.rope_theta},
-            "sliding_attention": {"rope_type": "default", "rope_theta": args.rope_local_theta or args.rope_theta}})
+            "sliding_attention": {**(scaling if local_scaled else {"rope_type": "default"}),
+                                  "rope_theta": args.rope_local_theta or args.rope_theta}})
     activation = {"hidden_activation" if family.name == "Gemma 3" else "hidden_act": _ACTIVATIONS[args.ffn_activation]}
     kwargs = dict(
         vocab_size=args.vocab_size,
@@ -373,10 +408,17 @@ def from_hf_dict(raw: dict) -> ModelArgs:
 
         raw = {**raw, "layer_types": getattr(transformers, family.config)(**raw).layer_types}
     rope, local_rope = _rope_parameters(raw, "full_attention"), _rope_parameters(raw, "sliding_attention")
+    if family.flat_rope:  # (GPT-OSS: one RoPE for every layer)
+        local_rope = rope
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
     values = collections.defaultdict(lambda: "?", raw)  # (for the `off` descriptions that quote other fields)
     bad = [f"{key}={raw[key]!r} ({why.format_map(values)})" for key, (_, why) in family.off.items() if raw.get(key)]
+    quantized = raw.get("quantization_config")
+    if quantized:  # (GPT-OSS's hub checkpoints keep the experts in MXFP4)
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        bad.append(f"quantization_config (weights quantized with {method}: load the model dequantized and save it, "
+                   "e.g. transformers' Mxfp4Config(dequantize=True) then save_pretrained, and start from that)")
     if (raw.get("num_local_experts") or raw.get("num_experts")) and not family.experts:
         bad.append("a mixture of experts")
     if rope_type not in ("default", "llama3", "yarn"):
@@ -392,11 +434,15 @@ def from_hf_dict(raw: dict) -> ModelArgs:
         if unknown:
             bad.append(f"layer_types {unknown} (full_attention and sliding_attention load)")
         elif "sliding_attention" in kinds:
-            if local_rope.get("rope_type", "default") != "default":
-                bad.append(f"RoPE scaling {local_rope.get('rope_type')!r} in the sliding-window layers")
+            local_type = local_rope.get("rope_type", "default")
+            scaled = local_type != "default"
+            if scaled and {k: v for k, v in local_rope.items() if k != "rope_theta"} != \
+                    {k: v for k, v in rope.items() if k != "rope_theta"}:
+                bad.append(f"RoPE scaling {local_type!r} in the sliding-window layers, not the global layers'")
             local_theta = float(local_rope.get("rope_theta", rope.get("rope_theta", 10000.0)))
             windows = dict(sliding_window=raw.get("sliding_window") or 0, layer_pattern=_pattern(kinds),
-                           rope_local_theta=0.0 if local_theta == rope.get("rope_theta", 10000.0) else local_theta)
+                           rope_local_theta=0.0 if local_theta == rope.get("rope_theta", 10000.0) else local_theta,
+                           rope_local_scaling=bool(scaled and rope_type != "default"))
     elif set(kinds) - {"full_attention"}:
         bad.append(f"layer_types {sorted(set(kinds) - {'full_attention'})} (every {family.name} block here attends "
                    "to the full context)")
@@ -519,7 +565,8 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
     """
     family = family_of(args)
     sd = dict(sd)
-    moe = _experts_to_hf(sd, family.experts) if family.experts else {}
+    moe = (_fused_experts_to_hf if family.experts and family.experts.fused else _experts_to_hf)(sd, family.experts) \
+        if family.experts else {}
     out = {**_rename(sd, _TOP, family.block, "layers.", "model.layers."), **moe}
     if args.tie_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
@@ -539,7 +586,8 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
     sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
     if args.tie_embeddings:
         sd.pop("lm_head.weight", None)
-    moe = _experts_from_hf(sd, family.experts, args.moe_experts) if family.experts else {}
+    moe = (_fused_experts_from_hf(sd) if family.experts.fused else _experts_from_hf(sd, family.experts, args.moe_experts)) \
+        if family.experts else {}
     out = {**_rename(sd, {v: k for k, v in _TOP.items()}, {v: k for k, v in family.block.items()},
                      "model.layers.", "layers."), **moe}
     if args.tie_embeddings:
@@ -581,4 +629,70 @@ def _experts_from_hf(sd: dict, experts: Experts, n_experts: int) -> dict:
             raise ValueError(f"{key}: experts {sorted(parts)} of {n_experts}")
         ordered = [parts[e] for e in range(n_experts)]
         out[key] = torch.stack(ordered) if isinstance(ordered[0], torch.Tensor) else ordered
+    return out
+
+
+# GPT-OSS's experts: one tensor for all of a layer's experts, HF's (in, out) layout, gate and up
+# interleaved (gate_up_proj[..., 0::2] is the gate). Ours -> HF stacks and interleaves; HF -> ours takes
+# strided views (values may be names: LazyWeights reads a `Part` when it needs the tensor).
+@dataclass(frozen=True)
+class Part:
+    """Our tensor as a view of one HF tensor (named, or the tensor itself): `take(hf_tensor)`."""
+
+    source: object
+    take: object
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.take(tensor)
+
+
+def _gate(t: torch.Tensor) -> torch.Tensor:
+    return t[..., 0::2].transpose(-2, -1) if t.dim() == 3 else t[..., 0::2]
+
+
+def _up(t: torch.Tensor) -> torch.Tensor:
+    return t[..., 1::2].transpose(-2, -1) if t.dim() == 3 else t[..., 1::2]
+
+
+def _down(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(-2, -1) if t.dim() == 3 else t
+
+
+_FUSED = {"gate_up_proj": (("w1", _gate), ("w3", _up)), "gate_up_proj_bias": (("b1", _gate), ("b3", _up)),
+          "down_proj": (("w2", _down),), "down_proj_bias": (("b2", _down),)}
+
+
+def _fused_experts_to_hf(sd: dict, experts: Experts) -> dict:
+    """Pops our MoE weights (router and its bias, experts and their biases) from `sd`; returns
+    GPT-OSS's (the routers' expert_bias, which it has no place for, is dropped: export refuses a
+    non-zero one)."""
+    out = {}
+    for i in sorted({int(m.group(1)) for n in sd if (m := re.fullmatch(r"layers\.(\d+)\.feed_forward\.experts\.w1", n))}):
+        ours, theirs = f"layers.{i}.feed_forward.", f"model.layers.{i}.mlp."
+        w1, w2, w3 = (sd.pop(f"{ours}experts.w{k}") for k in (1, 2, 3))
+        out[theirs + "experts.gate_up_proj"] = torch.stack((w1.transpose(-2, -1), w3.transpose(-2, -1)), -1).flatten(-2)
+        out[theirs + "experts.down_proj"] = w2.transpose(-2, -1)
+        if ours + "experts.b1" in sd:
+            b1, b2, b3 = (sd.pop(f"{ours}experts.b{k}") for k in (1, 2, 3))
+            out[theirs + "experts.gate_up_proj_bias"] = torch.stack((b1, b3), -1).flatten(-2)
+            out[theirs + "experts.down_proj_bias"] = b2
+        for what in ("router.weight", "router.bias"):
+            if ours + what in sd:
+                out[theirs + what] = sd.pop(ours + what)
+        sd.pop(ours + "expert_bias", None)
+    return out
+
+
+def _fused_experts_from_hf(sd: dict) -> dict:
+    """Pops GPT-OSS's router and experts from `sd`; returns ours, as views (or `Part`s of names)."""
+    out = {}
+    pattern = re.compile(r"model\.layers\.(\d+)\.mlp\.(router\.(?:weight|bias)|experts\.(?:gate_up_proj|down_proj)(?:_bias)?)")
+    for name in [n for n in sd if pattern.fullmatch(n)]:
+        layer, what = pattern.fullmatch(name).groups()
+        value, prefix = sd.pop(name), f"layers.{layer}.feed_forward."
+        if what.startswith("router."):
+            out[prefix + what] = value
+            continue
+        for ours, take in _FUSED[what.split(".")[1]]:
+            out[prefix + "experts." + ours] = take(value) if isinstance(value, torch.Tensor) else Part(value, take)
     return out

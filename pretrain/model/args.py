@@ -30,6 +30,7 @@ class ModelArgs:
     rope_yarn_beta_slow: float = 1.0  # yarn: those turning less often than this are interpolated fully (the ramp between)
     rope_yarn_truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions (GPT-OSS: false)
     rope_yarn_attention_factor: float = 0.0  # yarn: cos and sin multiplied by this (0 = 0.1 ln(factor) + 1)
+    rope_local_scaling: bool = False  # the RoPE scaling applies to the local layers too (GPT-OSS); else global only (Gemma 3, OLMo 3)
     max_seq_len: int = 2048  # longest sequence in tokens (RoPE table and KV-cache size)
     document_mask: bool = False  # each token attends only to its own document of a packed sequence (docs/long_context.md)
     document_positions: bool = False  # with document_mask: RoPE positions restart at 0 at each document
@@ -46,7 +47,9 @@ class ModelArgs:
     rope_local_theta: float = 0.0  # RoPE base of the local layers (0 = rope_theta; Gemma 3: 10k local, 1M global)
     nope_period: int = 0  # blocks i with (i + 1) % nope_period == 0 have no RoPE (SmolLM3: 4; 0 = all have RoPE)
     rope_fraction: float = 1.0  # share of each head's dimensions RoPE rotates, the first ones (partial rotary)
-    ffn_activation: str = "silu"  # the feed-forward gate's activation: silu (SwiGLU) | gelu_tanh (GeGLU, Gemma)
+    ffn_activation: str = "silu"  # the feed-forward gate's activation: silu (SwiGLU) | gelu_tanh (GeGLU, Gemma) | clamped_swiglu (GPT-OSS)
+    swiglu_limit: float = 7.0  # clamped_swiglu: the gate clamped above at this, the up projection to [-this, this]
+    swiglu_alpha: float = 1.702  # clamped_swiglu: gate * sigmoid(alpha * gate) * (up + 1)
     embed_scale: float = 1.0  # multiplier of the token embeddings (Gemma: sqrt(dim))
     norm_unit_offset: bool = False  # every RMSNorm scales by (1 + weight), the weight starting at 0 (Gemma)
     query_scale_dim: int = 0  # attention logits scaled by 1/sqrt(this) (0 = head_dim; Gemma 3's query_pre_attn_scalar)
@@ -68,6 +71,8 @@ class ModelArgs:
     moe_aux_loss: float = 0.01  # coefficient of the load-balancing loss (Switch/GShard form, per MoE block)
     moe_z_loss: float = 0.0  # coefficient of the router z-loss (ST-MoE)
     moe_bias_rate: float = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing: bias update per step (0 = off)
+    moe_router_bias: bool = False  # a learned bias on the router's logits (GPT-OSS; it weights, unlike moe_bias_rate's)
+    moe_expert_bias: bool = False  # biases on each expert's w1, w3 and w2 (GPT-OSS)
 
     @property
     def kv_heads(self) -> int:
@@ -112,8 +117,9 @@ class ModelArgs:
     @property
     def local_rope_table(self) -> bool:
         """Whether local layers read a RoPE table of their own: a base of their own, or the global
-        layers' without its scaling (RoPE scaling applies to the global layers only)."""
-        return bool(self.rope_local_theta or self.rope_scaling_factor) and "local" in self.layer_pattern
+        layers' without its scaling (unless model.rope_local_scaling)."""
+        unscaled = self.rope_scaling_factor and not self.rope_local_scaling
+        return bool(self.rope_local_theta or unscaled) and "local" in self.layer_pattern
 
     @property
     def windows(self) -> list[int]:
@@ -271,7 +277,11 @@ class ModelArgs:
         out = []
         _choice(out, "norm_placement", self.norm_placement, NORM_PLACEMENTS)
         _choice(out, "qk_norm", self.qk_norm, QK_NORMS)
-        _choice(out, "ffn_activation", self.ffn_activation, ("silu", "gelu_tanh"))
+        _choice(out, "ffn_activation", self.ffn_activation, ("silu", "gelu_tanh", "clamped_swiglu"))
+        if not (self.swiglu_limit > 0 and self.swiglu_alpha > 0):
+            out.append("model.swiglu_limit and model.swiglu_alpha must be > 0")
+        if (self.moe_router_bias or self.moe_expert_bias) and not self.moe_experts:
+            out.append("model.moe_router_bias and model.moe_expert_bias are an MoE's (model.moe_experts is 0)")
         if not isinstance(self.layer_pattern, list) or any(k not in LAYER_KINDS for k in self.layer_pattern):
             out.append(f"model.layer_pattern={self.layer_pattern!r}: each entry is one of {', '.join(LAYER_KINDS)} "
                        "(e.g. [local, local, local, global]; empty = every block global)")
@@ -305,6 +315,9 @@ class ModelArgs:
             out.append(f"model.moe_top_k={self.moe_top_k} must be between 1 and model.moe_experts={self.moe_experts}")
         if self.moe_router not in ("softmax", "sigmoid"):
             out.append(f"model.moe_router={self.moe_router!r} is not one of softmax, sigmoid")
+        if self.moe_router_bias and self.moe_router == "sigmoid":
+            out.append("model.moe_router_bias with model.moe_router=sigmoid: a learned router bias is GPT-OSS's, whose "
+                       "router is a softmax (DeepSeek-V3's selection bias is model.moe_bias_rate)")
         if self.moe_hidden_dim < 0 or self.moe_shared_experts < 0:
             out.append("model.moe_hidden_dim and model.moe_shared_experts must be >= 0")
         if not 0 <= self.moe_dense_layers < self.n_layers:
@@ -357,7 +370,7 @@ def _choice(out: list[str], name: str, value, allowed: tuple) -> None:
 # a model under other values.
 ROPE_FIELDS = ("max_seq_len", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                "rope_scaling_type", "rope_yarn_beta_fast", "rope_yarn_beta_slow", "rope_yarn_truncate",
-               "rope_yarn_attention_factor",
+               "rope_yarn_attention_factor", "rope_local_scaling",
                "rope_original_max_seq_len")
 
 
@@ -375,7 +388,7 @@ MOE_TRAINING_FIELDS = ("moe_aux_loss", "moe_z_loss", "moe_bias_rate")
 # field goes here). z_loss is a loss weight: LOSS_FIELDS, kept from the run config like MoE's balancing.
 RECIPE_FIELDS = ("head_size", "norm_placement", "qk_norm", "qkv_bias", "attn_out_bias", "attn_sinks", "sliding_window",
                  "layer_pattern", "rope_local_theta", "nope_period", "rope_fraction", "ffn_activation", "embed_scale",
-                 "norm_unit_offset", "query_scale_dim")
+                 "norm_unit_offset", "query_scale_dim", "swiglu_limit", "swiglu_alpha", "moe_router_bias", "moe_expert_bias")
 LOSS_FIELDS = MOE_TRAINING_FIELDS + ("z_loss",)
 
 

@@ -1,5 +1,5 @@
 """The dense feed-forward: a gated linear unit, w2(act(w1 x) * w3 x), with SiLU (SwiGLU, Llama) or
-tanh-approximated GeLU (GeGLU, Gemma) as the gate's activation."""
+tanh-approximated GeLU (GeGLU, Gemma) as the gate's activation, or GPT-OSS's clamped SwiGLU."""
 
 from __future__ import annotations
 
@@ -15,22 +15,42 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
 }
+GATES = (*ACTIVATIONS, "clamped_swiglu")  # model.ffn_activation's values
+
+
+def _product(act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return act(gate) * up
+
+
+def _clamped_swiglu(limit: float, alpha: float, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's: the gate clamped above at `limit`, the up projection to [-limit, limit],
+    gate * sigmoid(alpha * gate) * (up + 1)."""
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
+def gated(activation: str, limit: float = 7.0, alpha: float = 1.702) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(gate, up) -> the unit's output: act(gate) * up, or GPT-OSS's clamped SwiGLU
+    (model.ffn_activation; model.swiglu_limit and swiglu_alpha)."""
+    if activation == "clamped_swiglu":
+        return functools.partial(_clamped_swiglu, limit, alpha)
+    return functools.partial(_product, ACTIVATIONS[activation])
 
 
 class FeedForward(nn.Module):
-    """w2(act(w1 x) * w3 x), act = ACTIVATIONS[activation] (model.ffn_activation).
+    """w2(glu(w1 x, w3 x)), glu = gated(model.ffn_activation, ...): act(w1 x) * w3 x, or clamped.
 
     With `chunk` > 0 (train.mlp_chunk_tokens) it runs `chunk` tokens at a time, each tile under
     torch.utils.checkpoint when gradients are on: only the tiles' inputs are kept for backward, and
     the (tokens, hidden_dim) intermediates exist for one tile at a time, forward and backward (ALST's
     TiledMLP). For long sequences, where those intermediates are the largest activations."""
 
-    def __init__(self, dim: int, hidden_dim: int, activation: str = "silu"):
+    def __init__(self, dim: int, hidden_dim: int, glu: Callable = gated("silu")):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-        self.act = ACTIVATIONS[activation]
+        self.glu = glu
         self.chunk = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -42,7 +62,7 @@ class FeedForward(nn.Module):
         return torch.cat([tile(part) for part in tokens.split(self.chunk)]).view_as(x)
 
     def _glu(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act(self.w1(x)) * self.w3(x))
+        return self.w2(self.glu(self.w1(x), self.w3(x)))
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.normal_(self.w1.weight, mean=0.0, std=std)

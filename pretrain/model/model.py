@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pretrain.model.args import ModelArgs
 from pretrain.model.attention import Attention, KVCache, document_mask
-from pretrain.model.feedforward import FeedForward
+from pretrain.model.feedforward import FeedForward, gated
 from pretrain.model.moe import MoE
 from pretrain.model.norm import RMSNorm, init_norms, optional_norm
 from pretrain.model.rope import precompute_freqs_cis
@@ -94,11 +94,12 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args, index)
         self.attention_out_norm = optional_norm(post, args.dim, args.norm_eps, args.norm_unit_offset)
         self.ffn_norm = optional_norm(pre, args.dim, args.norm_eps, args.norm_unit_offset)
+        glu = gated(args.ffn_activation, args.swiglu_limit, args.swiglu_alpha)
         if args.is_moe_layer(index):
             shared = args.moe_shared_experts * args.moe_expert_hidden_dim
-            self.feed_forward = MoE(args, FeedForward(args.dim, shared, args.ffn_activation) if shared else None)
+            self.feed_forward = MoE(args, FeedForward(args.dim, shared, glu) if shared else None)
         else:
-            self.feed_forward = FeedForward(args.dim, args.hidden_dim, args.ffn_activation)
+            self.feed_forward = FeedForward(args.dim, args.hidden_dim, glu)
         self.ffn_out_norm = optional_norm(post, args.dim, args.norm_eps, args.norm_unit_offset)
         self.residual_scale = args.residual_scale  # completep: 1 / m_L on each branch
 
@@ -148,10 +149,11 @@ class Transformer(nn.Module):
     def rope_table(self, device: torch.device | str | None = None, local: bool = False) -> torch.Tensor:
         """This model's RoPE table (or its local layers'), fp32: (max_seq_len, rotary_dim / 2, 2).
         Llama 3.1's or YaRN's scaling applies to the global layers only, as Gemma 3 and OLMo 3 scale
-        their global ones."""
+        their global ones, unless model.rope_local_scaling (GPT-OSS scales every layer)."""
         a = self.args
         theta = (a.rope_local_theta or a.rope_theta) if local else a.rope_theta
-        return precompute_freqs_cis(a.rotary_dim, a.max_seq_len, theta, None if local else a.rope_scaling).to(device)
+        scaling = a.rope_scaling if not local or a.rope_local_scaling else None
+        return precompute_freqs_cis(a.rotary_dim, a.max_seq_len, theta, scaling).to(device)
 
     def reset_rope_table(self) -> None:
         """Rebuild the tables in fp32 on the device they are on. bf16 would round positions past 256
@@ -274,6 +276,7 @@ def num_params(args: ModelArgs | Transformer, non_embedding: bool = False, activ
     dense = 3 * a.dim * a.hidden_dim  # w1, w2, w3
     experts = a.moe_top_k if active else a.moe_experts
     moe = a.dim * a.moe_experts + 3 * a.dim * a.moe_expert_hidden_dim * (experts + a.moe_shared_experts)
+    moe += a.moe_experts * a.moe_router_bias + experts * (2 * a.moe_expert_hidden_dim + a.dim) * a.moe_expert_bias
     ffn = (a.n_layers - a.moe_layers) * dense + a.moe_layers * moe
     blocks = a.n_layers * (attn + norms) + ffn
     head = 0 if a.tie_embeddings else a.vocab_size * a.dim

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.model.args import ModelArgs
-from pretrain.model.feedforward import ACTIVATIONS
+from pretrain.model.feedforward import gated
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
@@ -40,30 +40,37 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
 
 class Router(nn.Linear):
     """The router's logits in fp32, whatever the weights' dtype (a module called, so that ZeRO-3
-    gathers its weight)."""
+    gathers its weight), with a learned bias where the model has one (model.moe_router_bias)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts as stacked tensors: w1, w3 (E, H, D), w2 (E, D, H). A module of its own, as
-    nn.Linear is, so that ZeRO-3 gathers its weights for its forward (under compile too)."""
+    """E gated experts as stacked tensors: w1, w3 (E, H, D), w2 (E, D, H), and with `bias` b1, b3
+    (E, H), b2 (E, D) (GPT-OSS's). `glu`: feedforward.gated's (gate, up) -> output. A module of its
+    own, as nn.Linear is, so that ZeRO-3 gathers its weights for its forward (under compile too)."""
 
-    def __init__(self, experts: int, dim: int, hidden: int, activation: str = "silu"):
+    def __init__(self, experts: int, dim: int, hidden: int, glu: Callable = gated("silu"), bias: bool = False):
         super().__init__()
-        self.act = ACTIVATIONS[activation]  # the gate's (model.ffn_activation)
+        self.glu = glu  # the gate's (model.ffn_activation)
         self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.b1, self.b2, self.b3 = ((nn.Parameter(torch.zeros(experts, hidden)), nn.Parameter(torch.zeros(experts, dim)),
+                                      nn.Parameter(torch.zeros(experts, hidden))) if bias else (None, None, None))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Each expert's SwiGLU over its rows: x (n, D) sorted by expert, `counts` (E,) rows each."""
+        """Each expert's unit over its rows: x (n, D) sorted by expert, `counts` (E,) rows each."""
         if grouped_mm_available(x):
             offsets = counts.cumsum(0).to(torch.int32)
-            h = self.act(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets)) * torch._grouped_mm(
-                x, self.w3.transpose(-2, -1), offs=offsets)
-            return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets)
+            gate = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets)
+            up = torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
+            if self.b1 is not None:  # each row its expert's bias
+                expert = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts)
+                gate, up = gate + self.b1[expert], up + self.b3[expert]
+            out = torch._grouped_mm(self.glu(gate, up), self.w2.transpose(-2, -1), offs=offsets)
+            return out if self.b2 is None else out + self.b2[expert]
         sizes = counts.tolist()
         # The experts without rows are skipped, unless no expert has any (under expert parallelism, a
         # rank whose experts got no token): then the first runs over the empty rows, so that the
@@ -72,8 +79,14 @@ class Experts(nn.Module):
         # (zero) gradient, which every rank's ZeRO reduces alike.
         busy = [e for e, n in enumerate(sizes) if n] or [0]
         parts = x.split(sizes)
-        return torch.cat([F.linear(self.act(F.linear(parts[e], self.w1[e])) * F.linear(parts[e], self.w3[e]), self.w2[e])
-                          for e in busy])
+        return torch.cat([self._unit(parts[e], e) for e in busy])
+
+    def _unit(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        def bias(b: torch.Tensor | None) -> torch.Tensor | None:
+            return None if b is None else b[e]
+
+        up = self.glu(F.linear(x, self.w1[e], bias(self.b1)), F.linear(x, self.w3[e], bias(self.b3)))
+        return F.linear(up, self.w2[e], bias(self.b2))
 
 
 class MoE(nn.Module):
@@ -85,8 +98,9 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = E, args.moe_top_k
         self.sigmoid, self.norm_topk = args.moe_router == "sigmoid", args.moe_norm_topk
         self.aux_coef, self.z_coef = args.moe_aux_loss, args.moe_z_loss
-        self.router = Router(D, E, bias=False)
-        self.experts = Experts(E, D, H, args.ffn_activation)
+        self.router = Router(D, E, bias=args.moe_router_bias)
+        self.experts = Experts(E, D, H, gated(args.ffn_activation, args.swiglu_limit, args.swiglu_alpha),
+                               bias=args.moe_expert_bias)
         self.shared = shared
         # Selection only (model.moe_bias_rate); fp32, in checkpoints (a resume selects as before).
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
@@ -168,6 +182,9 @@ class MoE(nn.Module):
 
     def init_weights(self, std: float, out_std: float, router_std: float) -> None:
         nn.init.normal_(self.router.weight, mean=0.0, std=router_std)
+        for b in (self.router.bias, self.experts.b1, self.experts.b2, self.experts.b3):
+            if b is not None:
+                nn.init.zeros_(b)
         nn.init.normal_(self.experts.w1, mean=0.0, std=std)
         nn.init.normal_(self.experts.w3, mean=0.0, std=std)
         nn.init.normal_(self.experts.w2, mean=0.0, std=out_std)

@@ -42,7 +42,7 @@ ROLES = ("hidden", "ffn_out", "head", "embedding", "norm")
 def role(name: str, ndim: int) -> str:
     if "tok_embeddings" in name:
         return "embedding"
-    if ndim < 2:
+    if ndim < 2 or re.search(r"\.experts\.b[123]$", name):  # (an MoE's expert biases, (E, ...), are vectors)
         return "norm"
     if name.startswith("output.") or ".output." in name:
         return "head"

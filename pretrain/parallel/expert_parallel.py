@@ -95,7 +95,7 @@ def shard_experts(model, env: distributed.Dist, zero3: bool) -> None:
         with deepspeed.zero.GatheredParameters(list(params.values()), enabled=zero3):
             w = params["w1"]
             with torch.device(w.device):
-                mine = Experts(local, w.shape[-1], w.shape[-2], model.args.ffn_activation).to(w.dtype)
+                mine = Experts(local, w.shape[-1], w.shape[-2], whole.glu, bias=whole.b1 is not None).to(w.dtype)
             for name, p in mine.named_parameters():
                 p.data.copy_(params[name].data[first:first + local])
         for p in mine.parameters():

@@ -52,11 +52,20 @@ CASES = {
     # attention scaled by query_pre_attn_scalar 24 (not head_dim), tied
     "gemma3": ("gemma3_text", dict(num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
                                    sliding_window_pattern=3, rope_theta=1e6, rope_local_base_freq=10000.0)),
+    # GPT-OSS: sinks, windows of 8 on alternate blocks, biases on every attention projection, a biased
+    # router over 4 experts (2 a token) with biases, the clamped SwiGLU (a limit of 0.4, which the
+    # activations cross), YaRN on every block (untruncated)
+    "gpt_oss": ("gpt_oss", dict(num_hidden_layers=2, head_dim=16, sliding_window=8, num_local_experts=4,
+                                num_experts_per_tok=2, intermediate_size=32, swiglu_limit=0.4,
+                                rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                 "truncate": False, "original_max_position_embeddings": 16,
+                                                 "rope_theta": 150000.0})),
     # SmolLM3: no RoPE in every 2nd block (every 4th in SmolLM3-3B), tied
     "smollm3": ("smollm3", dict(num_hidden_layers=4, no_rope_layer_interval=2)),
 }
 CONFIG_CLASSES = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "olmo2": "Olmo2Config", "qwen3_moe": "Qwen3MoeConfig",
-                  "olmo3": "Olmo3Config", "gemma3_text": "Gemma3TextConfig", "smollm3": "SmolLM3Config"}
+                  "olmo3": "Olmo3Config", "gemma3_text": "Gemma3TextConfig", "smollm3": "SmolLM3Config",
+                  "gpt_oss": "GptOssConfig"}
 TOKENS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
 
 
@@ -72,7 +81,7 @@ def vary_norms_and_biases(named_parameters, seed: int, unit_offset: bool = False
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in named_parameters:
-            if p.dim() == 1:
+            if p.dim() == 1 or name.endswith("_bias") or ".experts.b" in name:  # (an MoE's expert biases: (E, ...))
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if "norm" in name and not unit_offset else 0.0))
 
 
@@ -137,7 +146,11 @@ EXPORTS = {"qwen2": dict(tie_embeddings=True), "qwen3": dict(head_size=32, n_lay
                          rope_scaling_type="yarn", rope_original_max_seq_len=16, rope_yarn_attention_factor=1.2),
            "gemma3_text": dict(WINDOWS, head_size=32, query_scale_dim=24, rope_local_theta=10000.0, rope_theta=1e6,
                                tie_embeddings=True),
-           "smollm3": dict(n_layers=4, nope_period=2, tie_embeddings=True)}
+           "smollm3": dict(n_layers=4, nope_period=2, tie_embeddings=True),
+           "gpt_oss": dict(n_layers=2, ffn_hidden_dim=32, moe_experts=4, moe_top_k=2, moe_hidden_dim=32, sliding_window=8,
+                           layer_pattern=["local", "global"], rope_scaling_factor=4.0, rope_scaling_type="yarn",
+                           rope_original_max_seq_len=16, rope_yarn_truncate=False, rope_local_scaling=True,
+                           swiglu_limit=0.4, norm_eps=1e-5)}
 
 
 @pytest.mark.parametrize("model_type", sorted(EXPORTS))
@@ -199,7 +212,9 @@ PIECES = {"qwen2": ["qkv_bias"], "qwen3": ["qk_norm"], "olmo2": ["qk_norm", "nor
           "olmo3": ["qk_norm", "norm_placement", NO_WINDOW, "rope_local_theta", "rope_scaling_factor"],
           "gemma3_text": ["norm_unit_offset", "embed_scale", "query_scale_dim", "ffn_activation", NO_WINDOW, "norm_placement",
                           "rope_local_theta", "qk_norm"],
-          "smollm3": ["nope_period"]}
+          "smollm3": ["nope_period"],
+          "gpt_oss": ["attn_sinks", NO_WINDOW, "ffn_activation", {"swiglu_limit": 1e9}, "moe_router_bias",
+                      "moe_expert_bias", "rope_scaling_factor", "qkv_bias", "attn_out_bias"]}
 
 
 def as_pre_norms(name: str) -> str:
@@ -286,6 +301,9 @@ SLIDING = dict(use_sliding_window=True, sliding_window=32, max_window_layers=1)
                  id="smollm3-nope-list"),
     pytest.param("smollm3", dict(use_sliding_window=True, sliding_window=16), "use_sliding_window=True",
                  id="smollm3-windows"),
+    pytest.param("gpt_oss", dict(quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": []}),
+                 "quantization_config (weights quantized with mxfp4: load the model dequantized", id="gpt-oss-mxfp4"),
+    pytest.param("gpt_oss", dict(attention_bias=False), "attention_bias=False", id="gpt-oss-unbiased"),
     pytest.param("olmo3", dict(layer_types=["full_attention", "chunked_attention"]),
                  "layer_types ['chunked_attention']", id="olmo3-chunked"),
 ])
@@ -344,7 +362,7 @@ def test_a_model_no_family_holds_is_refused_in_one_line(change, named):
         assert named in str(e.value) and "no Hugging Face family holds" in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("model_type", sorted(set(EXPORTS) - {"qwen3_moe"}))  # (muP's rules for experts: not derived)
+@pytest.mark.parametrize("model_type", sorted(set(EXPORTS) - {"qwen3_moe", "gpt_oss"}))  # (muP's rules for experts: not derived)
 def test_a_completep_model_exports_folded_into_its_family(model_type):
     """CompleteP's multipliers (attention scale, residual branch, logits) fold into the weights the
     family has: into q's norm where it has one (in wq the norm would undo it) and into the
@@ -383,6 +401,13 @@ PUBLISHED = {
                            query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6,
                            rope_theta=1000000.0, rope_local_base_freq=10000.0, rms_norm_eps=1e-6,
                            max_position_embeddings=32768),
+    "gpt_oss_20b.yaml": dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                             num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                             num_local_experts=32, num_experts_per_tok=4, sliding_window=128, swiglu_limit=7.0,
+                             rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                              "truncate": False, "original_max_position_embeddings": 4096,
+                                              "rope_theta": 150000.0},
+                             tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=131072),
     "smollm3_3b.yaml": dict(model_type="smollm3", vocab_size=128256, hidden_size=2048, intermediate_size=11008,
                             num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4, no_rope_layer_interval=4,
                             tie_word_embeddings=True, rope_theta=5000000.0, rms_norm_eps=1e-6,
@@ -412,3 +437,21 @@ def test_a_published_size_has_transformers_parameter_count(name):
     read = from_hf_dict({**cfg.to_dict(), "model_type": published["model_type"]})
     fields = {f.name for f in dataclasses.fields(ModelArgs)} - {"max_seq_len", "init_std", "moe_aux_loss", "z_loss"}
     assert {f: getattr(read, f) for f in fields} == {f: getattr(args, f) for f in fields}
+
+
+@pytest.mark.parametrize("change,named", [
+    (dict(rope_local_theta=1000.0), "no Hugging Face family holds model.qkv_bias=True, model.attn_out_bias=True, "
+                                    "model.attn_sinks=True, model.sliding_window=8, model.layer_pattern=['local', "
+                                    "'global'], model.rope_local_theta=1000.0"),
+    (dict(rope_local_scaling=False), "not a GPT-OSS: its layers share one RoPE"),
+    (dict(moe_dense_layers=1), "model.moe_dense_layers=1 (every GPT-OSS block is MoE)"),
+    (dict(moe_norm_topk=False), "GPT-OSS's router is a softmax whose top-k weights are renormalised"),
+    (dict(moe_shared_experts=1), "model.moe_shared_experts=1 (GPT-OSS has no shared expert)"),
+])
+def test_a_model_gpt_oss_cannot_hold_is_refused_in_one_line(change, named):
+    """GPT-OSS's config has one RoPE for every layer (its YaRN on the local ones too) and MoE blocks
+    only, routed by the softmax of the top k logits."""
+    args = family_args("gpt_oss", **{**EXPORTS["gpt_oss"], **change})
+    with pytest.raises(ValueError) as e:
+        to_hf_config(args)
+    assert named in str(e.value) and "\n" not in str(e.value), str(e.value)

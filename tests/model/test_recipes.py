@@ -30,14 +30,14 @@ def tiny(**kw) -> ModelArgs:
 
 
 def build(args: ModelArgs, seed: int = 0) -> Transformer:
-    """Initialised, then every vector (norms, biases, sinks) moved off its init, so that a norm's
-    weight, a bias or a sink skipped changes the output."""
+    """Initialised, then every vector (norms, biases, sinks, an MoE's expert biases) moved off its
+    init, so that a norm's weight, a bias or a sink skipped changes the output."""
     model = Transformer(args)
     torch.manual_seed(seed)
     model.init_weights()
     with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
+        for name, p in model.named_parameters():
+            if p.ndim == 1 or ".experts.b" in name:  # (an MoE's expert biases: (E, ...))
                 p.add_(0.3 * torch.randn_like(p))
     return model.eval()
 
@@ -68,7 +68,10 @@ def reference_logits(model: Transformer, tokens: torch.Tensor, documents: torch.
     B, T = tokens.shape
     H, KV, hd, eps = a.n_heads, a.kv_heads, a.head_dim, a.norm_eps
     pos = torch.arange(T)
-    act = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[a.ffn_activation]
+    lim, alpha = a.swiglu_limit, a.swiglu_alpha
+    glu = {"silu": lambda g, u: F.silu(g) * u, "gelu_tanh": lambda g, u: F.gelu(g, approximate="tanh") * u,
+           "clamped_swiglu": lambda g, u: g.clamp(max=lim) * torch.sigmoid(g.clamp(max=lim) * alpha)
+           * (u.clamp(-lim, lim) + 1)}[a.ffn_activation]
     pre, post = a.norm_placement in ("pre", "sandwich"), a.norm_placement in ("post", "sandwich")
 
     def lin(x, name):
@@ -106,14 +109,35 @@ def reference_logits(model: Transformer, tokens: torch.Tensor, documents: torch.
         o = lin(torch.einsum("bhts,bshd->bthd", probs, v).reshape(B, T, H * hd), p + "attention.wo")
         h = h + (_rms(o, sd[p + "attention_out_norm.weight"], eps) if post else o)
         x = _rms(h, sd[p + "ffn_norm.weight"], eps) if pre else h
-        f = lin(act(lin(x, p + "feed_forward.w1")) * lin(x, p + "feed_forward.w3"), p + "feed_forward.w2")
+        if a.is_moe_layer(i):
+            f = _moe_reference(x.flatten(0, 1), sd, p + "feed_forward.", a, glu).view_as(x)
+        else:
+            f = lin(glu(lin(x, p + "feed_forward.w1"), lin(x, p + "feed_forward.w3")), p + "feed_forward.w2")
         h = h + (_rms(f, sd[p + "ffn_out_norm.weight"], eps) if post else f)
     h = _rms(h, sd["norm.weight"], eps)
     return h @ sd.get("output.weight", sd["tok_embeddings.weight"]).T
 
 
+def _moe_reference(x, sd, p, a, glu):
+    """Every token through its top k experts by a softmax router (with its bias), weights renormalised
+    over the k; each expert glu(w1 x + b1, w3 x + b3) w2 + b2, the biases where the model has them."""
+    logits = x @ sd[p + "router.weight"].T + sd.get(p + "router.bias", 0)
+    probs = logits.softmax(-1)
+    top, chosen = probs.topk(a.moe_top_k, -1)
+    top = top / top.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for n in range(x.size(0)):
+        for weight, e in zip(top[n], chosen[n].tolist()):
+            def b(name, e=e):
+                return sd[p + f"experts.{name}"][e] if p + f"experts.{name}" in sd else 0
+            h = glu(sd[p + "experts.w1"][e] @ x[n] + b("b1"), sd[p + "experts.w3"][e] @ x[n] + b("b3"))
+            out[n] += weight * (sd[p + "experts.w2"][e] @ h + b("b2"))
+    return out
+
+
 # Each option, and the value that turns it off with the same weights (None: the weights differ).
 WINDOWED = dict(layer_pattern=["local", "local", "global"], sliding_window=5)
+MOE = dict(moe_experts=4, moe_top_k=2, moe_hidden_dim=16, moe_dense_layers=1)
 OPTIONS = {
     "head_size": (dict(head_size=16), None),
     "qk_norm_head": (dict(qk_norm="head"), None),
@@ -132,6 +156,12 @@ OPTIONS = {
     "norm_unit_offset": (dict(norm_unit_offset=True, qk_norm="head", norm_placement="sandwich"),
                          dict(norm_unit_offset=False)),
     "query_scale_dim": (dict(query_scale_dim=5), dict(query_scale_dim=0)),
+    # GPT-OSS's feed-forward: the clamped SwiGLU (a limit of 0.5 that the activations reach), its MoE's
+    # router and expert biases
+    "clamped_swiglu": (dict(ffn_activation="clamped_swiglu", swiglu_limit=0.5, swiglu_alpha=1.5),
+                       dict(swiglu_limit=100.0)),
+    "swiglu_alpha": (dict(ffn_activation="clamped_swiglu", swiglu_alpha=3.0), dict(swiglu_alpha=1.702)),
+    "moe_biases": (dict(MOE, moe_router_bias=True, moe_expert_bias=True, ffn_activation="clamped_swiglu"), None),
     "everything": (dict(WINDOWED, head_size=16, qk_norm="head", norm_placement="sandwich", qkv_bias=True,
                         attn_out_bias=True, rope_local_theta=100.0, nope_period=4, rope_fraction=0.5, attn_sinks=True,
                         ffn_activation="gelu_tanh", embed_scale=2.0, norm_unit_offset=True, query_scale_dim=20), None),
