@@ -163,7 +163,7 @@ def test_config_json_of_4x_and_5x_read_the_same():
 
 # YaRN as Qwen3 (truncated ramp, attention factor from the factor), GPT-OSS (no truncation) and OLMo 3
 # (an attention factor of its own) set it
-YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32}
+YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}
 YARNS = {"qwen3": YARN, "untruncated": {**YARN, "truncate": False, "beta_fast": 16.0, "beta_slow": 2.0},
          "attention-factor": {**YARN, "factor": 4.0, "attention_factor": 1.2}}
 
@@ -171,21 +171,22 @@ YARNS = {"qwen3": YARN, "untruncated": {**YARN, "truncate": False, "beta_fast": 
 @pytest.mark.parametrize("case", sorted(YARNS))
 def test_yarn_rope_scaling_matches_hf_past_the_original_context(case):
     """The table against transformers' own YaRN (inverse frequencies and attention factor), and a
-    Llama with YaRN both ways: its logits within 1e-5 over 200 positions (32 trained), greedy
-    generation with the KV cache giving transformers' tokens; without the scaling, other logits."""
+    Llama with YaRN both ways: its logits within 1e-5 over 200 positions (64 trained), greedy
+    generation with the KV cache giving transformers' tokens; without the scaling, other logits. (At
+    base 10,000 and 64 tokens trained, the ramp's ends are fractional: truncating them matters.)"""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from pretrain.model.rope import precompute_freqs_cis
 
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   rope_theta=500000.0, rope_scaling=dict(YARNS[case]), rms_norm_eps=1e-5)
+                                   rope_theta=10000.0, rope_scaling=dict(YARNS[case]), rms_norm_eps=1e-5)
     cfg._attn_implementation = "eager"
     args = from_hf_config(cfg)
     assert (args.rope_scaling_type, args.rope_scaling_factor, args.rope_original_max_seq_len) == \
-        ("yarn", YARNS[case]["factor"], 32)
+        ("yarn", YARNS[case]["factor"], 64)
     inv_freq, gain = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
-    table = precompute_freqs_cis(16, 256, 500000.0, args.rope_scaling)
+    table = precompute_freqs_cis(16, 256, 10000.0, args.rope_scaling)
     angles = torch.outer(torch.arange(256, dtype=torch.float32), inv_freq)
     torch.testing.assert_close(table, torch.stack((angles.cos() * gain, angles.sin() * gain), -1), rtol=0, atol=1e-6)
     torch.manual_seed(0)
