@@ -77,10 +77,7 @@ def pretrain(args: list[str], nproc: int = 1, launcher: str = "torchrun", timeou
     can stand for the launcher (`python` or torchrun on the success path: a run expected to fail
     under torchrun gets torchrun's own exit code and teardown), else started fresh."""
     env = train_env(env)
-    # (a compiled run starts fresh: the zygote's imports computed inductor state, its cache dir among it,
-    # that each rank must compute for itself)
-    compiled = "train.compile=true" in args and os.environ.get("PRETRAIN_TEST_FORK_COMPILED") != "1"
-    if launcher == "torchrun" and (nproc == 1 or check) and not compiled and _zygote_can_fork(env):
+    if launcher == "torchrun" and (nproc == 1 or check) and _zygote_can_fork(env):
         run = lambda: _forked(args, nproc, env, cwd, timeout)  # noqa: E731
     else:
         run = lambda: subprocess.run(_command(args, nproc, launcher), cwd=cwd, env=env,  # noqa: E731

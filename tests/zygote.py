@@ -9,8 +9,8 @@ the variables torchrun gives them (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZ
 MASTER_PORT; no agent store: rank 0 hosts it, as under srun).
 
 What a fork cannot be is run fresh (`helpers.pretrain` decides): an environment that differs in a
-variable read at import time (PYTHON*, OMP/MKL threads, DS_*, TORCH*, HF_*...), a compiled run,
-tests of launchers and of signals, and every run when PRETRAIN_TEST_FRESH=1.
+variable read at import time (PYTHON*, OMP/MKL threads, DS_*, TORCH*, HF_*...), tests of launchers
+and of signals, and every run when PRETRAIN_TEST_FRESH=1.
 
 Protocol: one Unix-socket connection per process. The client sends one JSON line
 {"argv", "env", "cwd"} with its stdout and stderr file descriptors (SCM_RIGHTS); the zygote answers
