@@ -126,3 +126,21 @@ def test_qwen3_moe_with_expert_parallelism_trains_as_one_rank(tmp_path):
     assert sorted(want) == [1, 2, 3] and want[3] != want[1]
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-6), (step, want, got)
+
+
+@pytest.mark.parametrize("model_type,change,named", [
+    ("gemma3_text", "model.query_scale_dim=32", "model.query_scale_dim=32 (config.json: 24)"),
+    ("gemma3_text", "model.sliding_window=64", "model.sliding_window=64 (config.json: 128)"),
+    ("gpt_oss", "model.swiglu_limit=5.0", "model.swiglu_limit=5.0 (config.json: 0.4)"),
+    ("smollm3", "model.nope_period=4", "model.nope_period=4 (config.json: 2)"),
+])
+def test_a_run_config_that_disagrees_with_a_familys_config_json_is_one_line(model_type, change, named, tmp_path):
+    """`pretrain train` from a family's folder with a model section that differs from its config.json
+    in a field of the family: one line naming it, exit 2, no run dir."""
+    src = hf_dir(tmp_path / "hf", model_type)
+    proc = run_train([f"checkpoint.init_from={src}", f"data.tokenizer={src}", change, "train.max_steps=1",
+                      f"train.run_dir={tmp_path / 'run'}"], config=CONTINUE, check=False, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("pretrain: error:")]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert named in lines[0], lines[0]
+    assert not (tmp_path / "run").exists()
