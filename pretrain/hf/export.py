@@ -1,5 +1,6 @@
 """Export a checkpoint to Hugging Face format, as the family that holds its model (Llama, Qwen2,
-Qwen3, Qwen3-MoE, OLMo 2 and 3, Gemma 3, SmolLM3 or Mixtral: pretrain/hf/mapping.py), and load checkpoints or exports for inference.
+Qwen3, Qwen3-MoE, OLMo 2 and 3, Gemma 3, GPT-OSS, SmolLM3 or Mixtral: pretrain/hf/mapping.py), and load
+checkpoints or exports for inference.
 
 An export holds `model.safetensors` (consolidated fp32 weights), `config.json` and the tokenizer
 (`tokenizer.json` + `tokenizer_config.json`): `AutoModelForCausalLM.from_pretrained(OUT_DIR)` and

@@ -141,8 +141,9 @@ def _qwen3_moe_read(raw: dict, bad: list) -> dict:
 
 
 def _qwen3_moe_write(args: ModelArgs) -> dict:
-    return dict(num_experts=args.moe_experts, num_experts_per_tok=args.moe_top_k, moe_intermediate_size=args.moe_expert_hidden_dim,
-                norm_topk_prob=args.moe_norm_topk, decoder_sparse_step=1, mlp_only_layers=list(range(args.moe_dense_layers)),
+    return dict(num_experts=args.moe_experts, num_experts_per_tok=args.moe_top_k,
+                moe_intermediate_size=args.moe_expert_hidden_dim, norm_topk_prob=args.moe_norm_topk,
+                decoder_sparse_step=1, mlp_only_layers=list(range(args.moe_dense_layers)),
                 router_aux_loss_coef=args.moe_aux_loss)
 
 
@@ -215,7 +216,8 @@ FAMILIES = {
     "olmo3": Family("OLMo 3", "Olmo3Config", "Olmo3ForCausalLM", _OLMO2_BLOCK,
                     args=dict(norm_placement="post", qk_norm="projection"), free=_WINDOWS,
                     off={"attention_bias": (False, _BIASES)}),
-    "gemma3_text": Family("Gemma 3", "Gemma3TextConfig", "Gemma3ForCausalLM", _ATTENTION | _QK_NORM | _MLP | _GEMMA_NORMS,
+    "gemma3_text": Family("Gemma 3", "Gemma3TextConfig", "Gemma3ForCausalLM",
+                          _ATTENTION | _QK_NORM | _MLP | _GEMMA_NORMS,
                           args=dict(norm_placement="sandwich", qk_norm="head", ffn_activation="gelu_tanh",
                                     norm_unit_offset=True, embed_scale=lambda a: a.dim ** 0.5),
                           free=_WINDOWS + ("query_scale_dim",),
@@ -232,7 +234,8 @@ FAMILIES = {
                       free=("sliding_window", "layer_pattern", "swiglu_limit", "swiglu_alpha"),
                       experts=Experts("mlp", router="router.weight", fused=True), flat_rope=True,
                       read=_gpt_oss_read, write=_gpt_oss_write, needs=("num_local_experts",)),
-    "smollm3": Family("SmolLM3", "SmolLM3Config", "SmolLM3ForCausalLM", _ATTENTION | _MLP | _PRE_NORMS, free=("nope_period",),
+    "smollm3": Family("SmolLM3", "SmolLM3Config", "SmolLM3ForCausalLM", _ATTENTION | _MLP | _PRE_NORMS,
+                      free=("nope_period",),
                       off={"attention_bias": (False, _BIASES), "mlp_bias": (False, "biases in the MLP"),
                            "use_sliding_window": (False, _SLIDING)},
                       read=_smollm3_read, write=_smollm3_write),
@@ -369,12 +372,14 @@ def _scaling_from_hf(rope: dict) -> dict:
     lacking = [k for k in needs if rope.get(k) is None]
     if lacking:
         raise ValueError(f"{kind} RoPE scaling without {', '.join(lacking)} (rope_scaling needs {', '.join(needs)})")
-    out = dict(rope_scaling_factor=float(rope["factor"]), rope_original_max_seq_len=int(rope["original_max_position_embeddings"]))
+    out = dict(rope_scaling_factor=float(rope["factor"]),
+               rope_original_max_seq_len=int(rope["original_max_position_embeddings"]))
     if kind == "llama3":
         return {**out, "rope_low_freq_factor": float(rope["low_freq_factor"]),
                 "rope_high_freq_factor": float(rope["high_freq_factor"])}
     return {**out, "rope_scaling_type": "yarn", "rope_yarn_beta_fast": float(rope.get("beta_fast") or 32),
-            "rope_yarn_beta_slow": float(rope.get("beta_slow") or 1), "rope_yarn_truncate": bool(rope.get("truncate", True)),
+            "rope_yarn_beta_slow": float(rope.get("beta_slow") or 1),
+            "rope_yarn_truncate": bool(rope.get("truncate", True)),
             "rope_yarn_attention_factor": float(rope.get("attention_factor") or 0.0)}
 
 
@@ -565,8 +570,9 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
     """
     family = family_of(args)
     sd = dict(sd)
-    moe = (_fused_experts_to_hf if family.experts and family.experts.fused else _experts_to_hf)(sd, family.experts) \
-        if family.experts else {}
+    moe = {}
+    if family.experts:
+        moe = (_fused_experts_to_hf if family.experts.fused else _experts_to_hf)(sd, family.experts)
     out = {**_rename(sd, _TOP, family.block, "layers.", "model.layers."), **moe}
     if args.tie_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
@@ -586,8 +592,9 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
     sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
     if args.tie_embeddings:
         sd.pop("lm_head.weight", None)
-    moe = (_fused_experts_from_hf(sd) if family.experts.fused else _experts_from_hf(sd, family.experts, args.moe_experts)) \
-        if family.experts else {}
+    moe = {}
+    if family.experts:
+        moe = _fused_experts_from_hf(sd) if family.experts.fused else _experts_from_hf(sd, family.experts, args.moe_experts)
     out = {**_rename(sd, {v: k for k, v in _TOP.items()}, {v: k for k, v in family.block.items()},
                      "model.layers.", "layers."), **moe}
     if args.tie_embeddings:
@@ -667,7 +674,8 @@ def _fused_experts_to_hf(sd: dict, experts: Experts) -> dict:
     GPT-OSS's (the routers' expert_bias, which it has no place for, is dropped: export refuses a
     non-zero one)."""
     out = {}
-    for i in sorted({int(m.group(1)) for n in sd if (m := re.fullmatch(r"layers\.(\d+)\.feed_forward\.experts\.w1", n))}):
+    first = (re.fullmatch(r"layers\.(\d+)\.feed_forward\.experts\.w1", n) for n in sd)
+    for i in sorted(int(m.group(1)) for m in first if m):
         ours, theirs = f"layers.{i}.feed_forward.", f"model.layers.{i}.mlp."
         w1, w2, w3 = (sd.pop(f"{ours}experts.w{k}") for k in (1, 2, 3))
         out[theirs + "experts.gate_up_proj"] = torch.stack((w1.transpose(-2, -1), w3.transpose(-2, -1)), -1).flatten(-2)
@@ -686,7 +694,8 @@ def _fused_experts_to_hf(sd: dict, experts: Experts) -> dict:
 def _fused_experts_from_hf(sd: dict) -> dict:
     """Pops GPT-OSS's router and experts from `sd`; returns ours, as views (or `Part`s of names)."""
     out = {}
-    pattern = re.compile(r"model\.layers\.(\d+)\.mlp\.(router\.(?:weight|bias)|experts\.(?:gate_up_proj|down_proj)(?:_bias)?)")
+    pattern = re.compile(r"model\.layers\.(\d+)\.mlp\."
+                         r"(router\.(?:weight|bias)|experts\.(?:gate_up_proj|down_proj)(?:_bias)?)")
     for name in [n for n in sd if pattern.fullmatch(n)]:
         layer, what = pattern.fullmatch(name).groups()
         value, prefix = sd.pop(name), f"layers.{layer}.feed_forward."

@@ -15,7 +15,6 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
 }
-GATES = (*ACTIVATIONS, "clamped_swiglu")  # model.ffn_activation's values
 
 
 def _product(act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
