@@ -135,7 +135,7 @@ def test_continuing_keeps_the_document_masking_the_run_config_sets(tmp_path):
     (dict(model_type="mistral", sliding_window=32), "sliding"),
     (dict(model_type="qwen2_moe", num_experts=8), "shared experts with a gate"),
     (dict(model_type="mixtral", num_local_experts=4, router_jitter_noise=0.1), "router_jitter_noise"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 50000.0}), "yarn"),
+    (dict(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 50000.0}), "longrope"),
     (dict(attention_bias=True), "bias"),
 ])
 def test_unsupported_architectures_are_refused_in_one_line(tmp_path, change, named):
@@ -153,14 +153,16 @@ GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64
         "n_positions": 256, "vocab_size": 4096}
 
 
-NAMED = {"gpt2": "model_type 'gpt2' (not a family this model holds); Llama, Mistral, Mixtral, Qwen2, Qwen3 and "
-                 "OLMo 2 load",
+NAMED = {"gpt2": "model_type 'gpt2' (not a family this model holds); Llama, Mistral, Mixtral, Qwen2, Qwen3, "
+                 "Qwen3-MoE, OLMo 2, OLMo 3, Gemma 3, GPT-OSS and SmolLM3 load",
          "llama3_without_low_freq": "llama3 RoPE scaling without low_freq_factor",
+         "yarn_without_its_context": "yarn RoPE scaling without original_max_position_embeddings",
          "truncated_shard": "is not a readable safetensors file (Error while deserializing header"}
 
 
 @pytest.mark.parametrize("case,command", [("gpt2", "train"), ("gpt2", "eval"), ("gpt2", "estimate"),
                                           ("gpt2", "generate"), ("llama3_without_low_freq", "train"),
+                                          ("yarn_without_its_context", "train"),
                                           ("truncated_shard", "train"), ("truncated_shard", "eval")])
 def test_a_model_dir_that_cannot_load_is_one_line_in_every_command(tmp_path, case, command):
     """Each was a traceback (KeyError 'hidden_size', KeyError 'low_freq_factor', SafetensorError at the
@@ -173,6 +175,8 @@ def test_a_model_dir_that_cannot_load_is_one_line_in_every_command(tmp_path, cas
         cfg.pop("rope_parameters", None)
         cfg.update(rope_theta=50000.0, rope_scaling={"rope_type": "llama3", "factor": 4.0, "high_freq_factor": 4.0,
                                                      "original_max_position_embeddings": 32})
+    elif case == "yarn_without_its_context":
+        cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 50000.0}
     else:
         shard = sorted(src.glob("model-*.safetensors"))[-1]
         shard.write_bytes(shard.read_bytes()[:-100])
