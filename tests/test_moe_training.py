@@ -159,6 +159,7 @@ EP = ["data.seq_len=64", "train.global_batch_size=8", "train.max_steps=4", "logg
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # (4 ranks: 64-70 s alone, 243-319 s beside another worker's runs)
 def test_expert_parallelism_trains_as_every_rank_holding_every_expert(tmp_path):
     """4 ranks, fp32, ZeRO-3: expert_parallel=2 (two experts per rank) and 4 (one), and 2 with
     sequence parallelism 2, repeat expert_parallel=1 (losses and gradient norms within 1e-6: an
@@ -210,6 +211,7 @@ def test_expert_parallelism_trains_as_every_rank_holding_every_expert(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # (4 ranks: 64-70 s alone, 243-319 s beside another worker's runs)
 def test_expert_parallelism_at_zero_1_and_2_trains_as_every_rank_holding_every_expert(tmp_path):
     """4 ranks, fp32: at ZeRO-1, expert_parallel=2 repeats expert_parallel=1 (losses and gradient
     norms within 1e-6), and so do ZeRO-2 at 4 (one expert per rank; DeepSpeed's optimizer state on
