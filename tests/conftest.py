@@ -4,7 +4,7 @@ Each module is one group, run by one worker, so its module-scoped fixtures (a tr
 several tests read) are built once; tests/slurm is one group, since its modules share one Slurm
 cluster. A test marked `exclusive` times the run it starts (a hang timeout, a straggler's ratio), or
 runs 4 ranks on the 2 cores, whose collectives crawl beside another worker's runs (the 4-rank
-expert-parallel tests: 64-70 s alone, 243-319 s beside others): it runs while no other worker runs
+expert-parallel and TP x DP tests: 33-70 s alone, 145-319 s beside others): it runs while no other worker runs
 a test; the others hold a shared lock for each of theirs. Each worker gets one thread of math libraries and its own TMPDIR. Without xdist nothing here applies."""
 
 from __future__ import annotations

@@ -172,6 +172,7 @@ def _evals(run) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # (4 ranks: 33 s alone, 145 s beside another worker's runs)
 def test_tp2_by_dp2_on_four_ranks_trains_resumes_and_evaluates_as_tp1(tmp_path):
     """fp32, ZeRO-3, activation checkpointing, seq 256: TP=2 x DP=2 on 4 ranks, stopped at step 2 and
     resumed, gives the losses of an uninterrupted TP=1 run (within 1e-6 relative), and the same
