@@ -387,3 +387,10 @@ def rewrite_file(ckpt: Path, name: str) -> None:
     assert name in manifest["files"], name
     manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def hf_weights(path: Path) -> dict:
+    """Every tensor of a Hugging Face model directory's safetensors files (sharded or not)."""
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import helpers
-from helpers import REPO, free_port, read_metrics, run_train, train_env
+from helpers import REPO, free_port, hf_weights, read_metrics, run_train, train_env
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -40,15 +40,6 @@ def hf_llama_dir(path: Path, tied=False, rope_scaling=None, shard=True, **extra)
     model.save_pretrained(path, max_shard_size="100KB" if shard else "10GB")
     shutil.copy(BUILTIN_TOKENIZER, path / "tokenizer.json")
     return path
-
-
-def hf_weights(path: Path) -> dict:
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 def pretrain_cmd(*args, nproc=1, timeout=300, check=True):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, losses_and_norms, pretrain, read_metrics, run_train
+from helpers import REPO, hf_weights, losses_and_norms, pretrain, read_metrics, run_train
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -62,12 +62,6 @@ def hf_dir(path: Path, model_type: str) -> Path:
     model.save_pretrained(path)
     shutil.copy(TOKENIZER, path / "tokenizer.json")
     return path
-
-
-def hf_weights(path: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def transformers_loss(src: Path, run: Path) -> float:

@@ -101,7 +101,7 @@ class LazyWeights:
         if isinstance(hf, list):  # a Mixtral's experts, one tensor each: our stacked tensor
             return torch.stack([self._file(self.where[h]).get_tensor(h) for h in hf])
         if isinstance(hf, Part):  # a view of one tensor (GPT-OSS's experts: gate and up interleaved)
-            return hf.of(self._file(self.where[hf.source]).get_tensor(hf.source)).contiguous()
+            return hf.take(self._file(self.where[hf.source]).get_tensor(hf.source)).contiguous()
         return self._file(self.where[hf]).get_tensor(hf)
 
     def _file(self, file: str):
@@ -118,7 +118,7 @@ class LazyWeights:
             return (len(hf), *self._file(self.where[hf[0]]).get_slice(hf[0]).get_shape())
         if isinstance(hf, Part):
             shape = self._file(self.where[hf.source]).get_slice(hf.source).get_shape()
-            return tuple(hf.of(torch.empty(shape, device="meta")).shape)
+            return tuple(hf.take(torch.empty(shape, device="meta")).shape)
         return tuple(self._file(self.where[hf]).get_slice(hf).get_shape())
 
     def state_dict(self) -> dict[str, torch.Tensor]:

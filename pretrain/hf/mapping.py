@@ -647,10 +647,7 @@ class Part:
     """Our tensor as a view of one HF tensor (named, or the tensor itself): `take(hf_tensor)`."""
 
     source: object
-    take: object
-
-    def of(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.take(tensor)
+    take: object  # hf tensor -> ours
 
 
 def _gate(t: torch.Tensor) -> torch.Tensor:

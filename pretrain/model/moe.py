@@ -82,11 +82,8 @@ class Experts(nn.Module):
         return torch.cat([self._unit(parts[e], e) for e in busy])
 
     def _unit(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        def bias(b: torch.Tensor | None) -> torch.Tensor | None:
-            return None if b is None else b[e]
-
-        up = self.glu(F.linear(x, self.w1[e], bias(self.b1)), F.linear(x, self.w3[e], bias(self.b3)))
-        return F.linear(up, self.w2[e], bias(self.b2))
+        b1, b2, b3 = (None, None, None) if self.b1 is None else (self.b1[e], self.b2[e], self.b3[e])
+        return F.linear(self.glu(F.linear(x, self.w1[e], b1), F.linear(x, self.w3[e], b3)), self.w2[e], b2)
 
 
 class MoE(nn.Module):
