@@ -112,7 +112,7 @@ def test_qwen3_moe_with_expert_parallelism_trains_as_one_rank(tmp_path):
     common = [f"checkpoint.init_from={src}", f"data.tokenizer={src}", "data.seq_len=64", "train.global_batch_size=4",
               "train.max_steps=3", "train.precision=fp32", "distributed.zero_stage=3", "logging.wandb=disabled",
               "logging.log_every=1", "train.eval_every=0", "data.num_streams=2", "optimizer.lr=1e-3",
-              "schedule.warmup_steps=1"]
+              "schedule.warmup_steps=1", "checkpoint.every=2"]
     run_train(common + ["train.micro_batch_size=4", f"train.run_dir={tmp_path / 'one'}"], config=CONTINUE)
     run_train(common + ["train.micro_batch_size=2", "distributed.expert_parallel=2", f"train.run_dir={tmp_path / 'ep2'}"],
               nproc=2, config=CONTINUE)
@@ -138,3 +138,38 @@ def test_a_run_config_that_disagrees_with_a_familys_config_json_is_one_line(mode
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert named in lines[0], lines[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_gpt_oss_expert_biases_under_expert_parallelism_at_zero_2(tmp_path):
+    """GPT-OSS's expert biases are expert parameters: at ZeRO-2 (experts in optimizer groups of their
+    own, partitioned over the ranks that hold them) 2 ranks with expert_parallel=2 train as 1 rank
+    holding every expert, within 1e-6 in fp32; their checkpoint exports to the same tensors and
+    resumes on 1 rank, and 1 rank's resumes at expert_parallel=2 (the biases split with their experts)."""
+    src = hf_dir(tmp_path / "hf", "gpt_oss")
+    common = [f"checkpoint.init_from={src}", f"data.tokenizer={src}", "data.seq_len=64", "train.global_batch_size=4",
+              "train.max_steps=3", "train.precision=fp32", "distributed.zero_stage=2", "logging.wandb=disabled",
+              "logging.log_every=1", "train.eval_every=0", "data.num_streams=2", "optimizer.lr=1e-3",
+              "schedule.warmup_steps=1", "checkpoint.every=2"]
+    run_train(common + ["train.micro_batch_size=4", f"train.run_dir={tmp_path / 'one'}"], config=CONTINUE)
+    run_train(common + ["train.micro_batch_size=2", "distributed.expert_parallel=2", f"train.run_dir={tmp_path / 'ep2'}"],
+              nproc=2, config=CONTINUE)
+    want, got = losses_and_norms(tmp_path / "one"), losses_and_norms(tmp_path / "ep2")
+    assert sorted(want) == [1, 2, 3] and want[3] != want[1]
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-6), (step, want, got)
+    step2 = "checkpoints/step_00000002"
+    shutil.copytree(tmp_path / "ep2" / step2, tmp_path / "to_one" / step2)
+    run_train(common + ["train.micro_batch_size=4", "checkpoint.resume=auto", f"train.run_dir={tmp_path / 'to_one'}"],
+              config=CONTINUE)
+    shutil.copytree(tmp_path / "one" / step2, tmp_path / "to_ep2" / step2)
+    run_train(common + ["train.micro_batch_size=2", "distributed.expert_parallel=2", "checkpoint.resume=auto",
+                        f"train.run_dir={tmp_path / 'to_ep2'}"], nproc=2, config=CONTINUE)
+    for name in ("to_one", "to_ep2"):
+        resumed = losses_and_norms(tmp_path / name)
+        assert sorted(resumed) == [3] and resumed[3] == pytest.approx(want[3], rel=1e-6), (name, resumed, want)
+    for name in ("one", "ep2"):
+        pretrain(["export", str(tmp_path / name / "checkpoints"), str(tmp_path / f"{name}.hf")])
+    one, ep2 = hf_weights(tmp_path / "one.hf"), hf_weights(tmp_path / "ep2.hf")
+    assert one.keys() == ep2.keys() and "model.layers.0.mlp.experts.gate_up_proj_bias" in one
+    for name in one:
+        torch.testing.assert_close(ep2[name], one[name], rtol=1e-5, atol=1e-5, msg=name)
