@@ -60,6 +60,35 @@ def pytest_runtest_protocol(item, nextitem):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _import_time_environment():
+    """The variables read at import time (tests/zygote.py: `signature`) in the environment this
+    process gives its runs, as its first test (before any other fixture) found them."""
+    from helpers import train_env
+    from zygote import signature
+
+    return signature(train_env())
+
+
+@pytest.fixture(autouse=True)
+def _the_zygote_stays_usable(_import_time_environment):
+    """A test, or a fixture it set up, that leaves one of those variables changed in this process
+    would make every later run of its worker start fresh, ~10 s of imports each: an error at its end,
+    naming the variable. (Found so: sklearn, imported by a test, sets KMP_DUPLICATE_LIB_OK, and most
+    of the suite's runs started fresh.)"""
+    from helpers import train_env
+    from zygote import signature
+
+    yield
+    now = signature(train_env())
+    was = _import_time_environment
+    changed = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k))
+    if changed:
+        was.clear()
+        was.update(now)  # (one error, not one for each later test)
+        pytest.fail(f"the test left {', '.join(changed)} changed in the environment of this worker's later runs")
+
+
 def pytest_configure(config):
     # Each worker's own temporary directory: the inductor caches (one per rank under it) and other
     # temporary files of the runs two workers start at once are not shared.

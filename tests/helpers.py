@@ -56,6 +56,11 @@ def train_env(extra: dict | None = None) -> dict:
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
     env.pop("WANDB_API_KEY", None)
+    # Set in this process by what a test imported, not by the test (sklearn: KMP_DUPLICATE_LIB_OK;
+    # lm-eval: HF_XET_HIGH_PERFORMANCE): a user's shell has neither, and either would make every later
+    # run start fresh, not forked from the zygote (tests/conftest.py fails a test that changes another).
+    for var in ("KMP_DUPLICATE_LIB_OK", "HF_XET_HIGH_PERFORMANCE"):
+        env.pop(var, None)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     env.update(extra or {})
