@@ -5,7 +5,10 @@ several tests read) are built once; tests/slurm is one group, since its modules 
 cluster. A test marked `exclusive` times the run it starts (a hang timeout, a straggler's ratio), or
 runs 4 ranks on the 2 cores, whose collectives crawl beside another worker's runs (the 4-rank
 expert-parallel and TP x DP tests: 33-70 s alone, 145-319 s beside others): it runs while no other worker runs
-a test; the others hold a shared lock for each of theirs. Each worker gets one thread of math libraries and its own TMPDIR. Without xdist nothing here applies."""
+a test; the others hold a shared lock for each of theirs. Each worker gets one thread of math
+libraries and its own TMPDIR. Without xdist none of this applies; with or without, a test that
+leaves a variable read at import time changed (which would send its worker's later runs to fresh
+processes, not the zygote) is an error."""
 
 from __future__ import annotations
 
