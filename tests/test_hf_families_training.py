@@ -105,14 +105,14 @@ def test_a_family_continues_on_the_users_path_from_transformers_loss(model_type,
         assert torch.equal(exported[name], start[name].bfloat16().float()), name
 
 
-def test_qwen3_moe_with_expert_parallelism_trains_as_one_rank(tmp_path):
-    """From a Qwen3-MoE folder, fp32, ZeRO-3: 2 ranks with expert_parallel=2 (2 of the 4 experts each)
-    repeat 1 rank holding every expert, losses and gradient norms within 1e-6 for 3 steps."""
-    src = hf_dir(tmp_path / "hf", "qwen3_moe")
+def _ep2_as_one_rank(src: Path, tmp_path: Path, zero_stage: int) -> tuple[list[str], dict]:
+    """From the HF folder `src`, fp32, 3 steps: 1 rank holding every expert (run `one`) and 2 ranks
+    with expert_parallel=2 (run `ep2`), losses and gradient norms within 1e-6. Returns the runs'
+    common overrides and `one`'s losses and norms."""
     common = [f"checkpoint.init_from={src}", f"data.tokenizer={src}", "data.seq_len=64", "train.global_batch_size=4",
-              "train.max_steps=3", "train.precision=fp32", "distributed.zero_stage=3", "logging.wandb=disabled",
-              "logging.log_every=1", "train.eval_every=0", "data.num_streams=2", "optimizer.lr=1e-3",
-              "schedule.warmup_steps=1", "checkpoint.every=2"]
+              "train.max_steps=3", "train.precision=fp32", f"distributed.zero_stage={zero_stage}",
+              "logging.wandb=disabled", "logging.log_every=1", "train.eval_every=0", "data.num_streams=2",
+              "optimizer.lr=1e-3", "schedule.warmup_steps=1", "checkpoint.every=2"]
     run_train(common + ["train.micro_batch_size=4", f"train.run_dir={tmp_path / 'one'}"], config=CONTINUE)
     run_train(common + ["train.micro_batch_size=2", "distributed.expert_parallel=2", f"train.run_dir={tmp_path / 'ep2'}"],
               nproc=2, config=CONTINUE)
@@ -120,6 +120,13 @@ def test_qwen3_moe_with_expert_parallelism_trains_as_one_rank(tmp_path):
     assert sorted(want) == [1, 2, 3] and want[3] != want[1]
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-6), (step, want, got)
+    return common, want
+
+
+def test_qwen3_moe_with_expert_parallelism_trains_as_one_rank(tmp_path):
+    """From a Qwen3-MoE folder, fp32, ZeRO-3: 2 ranks with expert_parallel=2 (2 of the 4 experts each)
+    repeat 1 rank holding every expert, losses and gradient norms within 1e-6 for 3 steps."""
+    _ep2_as_one_rank(hf_dir(tmp_path / "hf", "qwen3_moe"), tmp_path, zero_stage=3)
 
 
 @pytest.mark.parametrize("model_type,change,named", [
@@ -145,18 +152,7 @@ def test_gpt_oss_expert_biases_under_expert_parallelism_at_zero_2(tmp_path):
     own, partitioned over the ranks that hold them) 2 ranks with expert_parallel=2 train as 1 rank
     holding every expert, within 1e-6 in fp32; their checkpoint exports to the same tensors and
     resumes on 1 rank, and 1 rank's resumes at expert_parallel=2 (the biases split with their experts)."""
-    src = hf_dir(tmp_path / "hf", "gpt_oss")
-    common = [f"checkpoint.init_from={src}", f"data.tokenizer={src}", "data.seq_len=64", "train.global_batch_size=4",
-              "train.max_steps=3", "train.precision=fp32", "distributed.zero_stage=2", "logging.wandb=disabled",
-              "logging.log_every=1", "train.eval_every=0", "data.num_streams=2", "optimizer.lr=1e-3",
-              "schedule.warmup_steps=1", "checkpoint.every=2"]
-    run_train(common + ["train.micro_batch_size=4", f"train.run_dir={tmp_path / 'one'}"], config=CONTINUE)
-    run_train(common + ["train.micro_batch_size=2", "distributed.expert_parallel=2", f"train.run_dir={tmp_path / 'ep2'}"],
-              nproc=2, config=CONTINUE)
-    want, got = losses_and_norms(tmp_path / "one"), losses_and_norms(tmp_path / "ep2")
-    assert sorted(want) == [1, 2, 3] and want[3] != want[1]
-    for step in want:
-        assert got[step] == pytest.approx(want[step], rel=1e-6), (step, want, got)
+    common, want = _ep2_as_one_rank(hf_dir(tmp_path / "hf", "gpt_oss"), tmp_path, zero_stage=2)
     step2 = "checkpoints/step_00000002"
     shutil.copytree(tmp_path / "ep2" / step2, tmp_path / "to_one" / step2)
     run_train(common + ["train.micro_batch_size=4", "checkpoint.resume=auto", f"train.run_dir={tmp_path / 'to_one'}"],
